@@ -1,0 +1,130 @@
+"""What this machine offers the toolchain: GPU, nvcc, CUTLASS headers, cache location."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+CACHE_ENV = "FLASHQLA_TUNE_CACHE"
+
+
+class ToolchainError(RuntimeError):
+    """nvcc or the CUTLASS headers cannot be found."""
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    driver: str | None
+
+    @property
+    def arch(self) -> str:
+        major, minor = self.capability
+        return f"sm_{major}{minor}"
+
+
+def gpu_info(device: int | None = None) -> GPUInfo | None:
+    """The current CUDA GPU, or None on a machine without one (or with a CPU build of torch)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device() if device is None else device
+    props = torch.cuda.get_device_properties(device)
+    return GPUInfo(name=props.name, capability=(props.major, props.minor),
+                   sm_count=props.multi_processor_count, driver=_driver_version())
+
+
+def _driver_version() -> str | None:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+@lru_cache(maxsize=None)
+def find_nvcc() -> Path:
+    """nvcc from PATH (or CUDA_HOME), else from the nvidia-cuda-nvcc wheel."""
+    candidates = []
+    if shutil.which("nvcc"):
+        candidates.append(Path(shutil.which("nvcc")))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(Path(os.environ[var]) / "bin" / "nvcc")
+    try:
+        import nvidia.cuda_nvcc as wheel  # type: ignore[import-not-found]
+
+        for base in wheel.__path__:
+            candidates.append(Path(base) / "bin" / "nvcc")
+    except ImportError:
+        pass
+    candidates.append(Path("/usr/local/cuda/bin/nvcc"))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise ToolchainError("nvcc not found: put it on PATH, set CUDA_HOME, or pip install nvidia-cuda-nvcc")
+
+
+@lru_cache(maxsize=None)
+def nvcc_version() -> str:
+    out = subprocess.run([str(find_nvcc()), "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
+    return match.group(2) if match else out.strip().splitlines()[-1]
+
+
+@lru_cache(maxsize=None)
+def cutlass_include_dir() -> Path:
+    """The CUTLASS/CuTe headers shipped inside the nvidia-cutlass wheel."""
+    try:
+        import cutlass_library  # the wheel's importable part; headers live beside it
+    except ImportError as exc:
+        raise ToolchainError("nvidia-cutlass is not installed (pip install nvidia-cutlass)") from exc
+    include = Path(cutlass_library.__file__).parent / "source" / "include"
+    if not (include / "cute" / "tensor.hpp").is_file():
+        raise ToolchainError(f"nvidia-cutlass is installed but has no CuTe headers under {include}")
+    return include
+
+
+@lru_cache(maxsize=None)
+def cutlass_version() -> str:
+    text = (cutlass_include_dir() / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts if m)
+
+
+def cache_dir() -> Path:
+    """Where built kernels, tuning studies and calibrations live; FLASHQLA_TUNE_CACHE moves it."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "flashqla_tune"
+
+
+def describe() -> dict:
+    """A plain dict for `flashqla-tune info`; missing tools are reported, not raised."""
+    import torch
+
+    info: dict = {"torch": torch.__version__, "cache": str(cache_dir())}
+    gpu = gpu_info()
+    info["gpu"] = None if gpu is None else {"name": gpu.name, "arch": gpu.arch, "sm_count": gpu.sm_count,
+                                            "driver": gpu.driver}
+    try:
+        info["nvcc"] = {"path": str(find_nvcc()), "version": nvcc_version()}
+    except (ToolchainError, OSError, subprocess.CalledProcessError) as exc:
+        info["nvcc"] = {"error": str(exc)}
+    try:
+        info["cutlass"] = {"include": str(cutlass_include_dir()), "version": cutlass_version()}
+    except ToolchainError as exc:
+        info["cutlass"] = {"error": str(exc)}
+    return info

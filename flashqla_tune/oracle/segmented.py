@@ -1,0 +1,106 @@
+"""The segmented (warm-up context-parallel) forward in float64.
+
+Computes exactly what the CP kernels compute, so the approximation can be studied on the CPU.
+A sequence is cut at chunk-aligned token offsets into segments. Segment 0 starts from the
+sequence's initial state. For segment s > 0 and v-head h, warmup[s, h] says how its initial
+state is found:
+  n >= 1  warm-up: run the n chunks before the boundary from a zero state; where that window
+          reaches back to the sequence start, run from the sequence's initial state instead
+          (then nothing is approximated);
+  -1      exact: chain through the previous segment, S_s = M_{s-1} S_{s-1} + H_{s-1}, with M the
+          product of the previous segment's chunk transitions and H its zero-state end state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .chunked import CHUNK, chunk_transition, head_major, run_chunks
+from .common import check_shapes, prepare_inputs, sequence_bounds, state_from_kv, state_to_kv
+
+EXACT = -1
+
+
+@dataclass
+class SegmentedResult:
+    o: torch.Tensor                      # [B, T, Hv, V] float64
+    final_state: torch.Tensor            # [N, Hv, K, V] (or V, K) float64
+    segment_initial_states: list         # per sequence: [num_segments, Hv, K, V] float64 (kv layout)
+
+
+def uniform_boundaries(seq_len: int, segment_chunks: int, chunk_size: int = CHUNK) -> list[int]:
+    """Boundaries every segment_chunks chunks; the last segment takes the remainder."""
+    step = segment_chunks * chunk_size
+    return list(range(step, seq_len, step))
+
+
+def _segment_transition(k_s, g_s, b_s, chunk_size):
+    Hv, _, K = k_s.shape
+    M = torch.eye(K, dtype=k_s.dtype, device=k_s.device).expand(Hv, K, K)
+    for c0 in range(0, k_s.shape[1], chunk_size):
+        sl = slice(c0, c0 + chunk_size)
+        M = chunk_transition(k_s[:, sl], g_s[:, sl], b_s[:, sl]) @ M
+    return M
+
+
+def segmented_gated_delta_rule(
+    q, k, v, g, beta, boundaries, warmup, scale=None, initial_state=None,
+    use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, chunk_size=CHUNK,
+) -> SegmentedResult:
+    """boundaries: per sequence, a list of chunk-aligned token offsets inside (0, length);
+    warmup: per sequence, an int tensor [num_segments, Hv] (row 0 is ignored)."""
+    n_seq, Hv, K, V = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
+    q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    seqs = sequence_bounds(v.shape[0], v.shape[1], cu_seqlens)
+    if len(boundaries) != len(seqs) or len(warmup) != len(seqs):
+        raise ValueError(f"need boundaries and warmup for each of the {len(seqs)} sequences")
+    o = torch.zeros_like(v)
+    finals, inits = [], []
+    for n, (b, start, end) in enumerate(seqs):
+        length = end - start
+        cuts = [int(x) for x in boundaries[n]]
+        if any(c <= 0 or c >= length or c % chunk_size for c in cuts) or cuts != sorted(set(cuts)):
+            raise ValueError(f"sequence {n} (length {length}): boundaries {cuts} must be increasing, "
+                             f"inside (0, {length}) and multiples of {chunk_size}")
+        table = torch.as_tensor(warmup[n], dtype=torch.int64)
+        if tuple(table.shape) != (len(cuts) + 1, Hv):
+            raise ValueError(f"sequence {n}: warmup shape {tuple(table.shape)}, expected {(len(cuts) + 1, Hv)}")
+        if ((table == 0) | (table < EXACT)).any():
+            raise ValueError(f"sequence {n}: warmup entries must be >= 1 or {EXACT} (exact)")
+        h0 = (torch.zeros(Hv, K, V, dtype=torch.float64, device=v.device) if initial_state is None
+              else state_to_kv(initial_state[n].to(torch.float64), state_v_first))
+        seq = head_major(q, k, v, g, beta, b, start, end)
+        edges = [0] + cuts + [length]
+        S_init = [h0]
+        for s in range(1, len(edges) - 1):
+            lo, hi = edges[s - 1], edges[s]
+            prev = [x[:, lo:hi] for x in seq]
+            # exact chaining through the previous segment's transition and zero-state end state
+            _, H_prev = run_chunks(torch.zeros_like(h0), *prev, scale, chunk_size)
+            M_prev = _segment_transition(prev[1], prev[3], prev[4], chunk_size)
+            exact = M_prev @ S_init[-1] + H_prev
+            # warm-up, per head with its own window
+            chosen = exact.clone()
+            for h in range(Hv):
+                n_warm = int(table[s, h])
+                if n_warm == EXACT:
+                    continue
+                w = hi - n_warm * chunk_size
+                if w <= 0:
+                    window = [x[h:h + 1, 0:hi] for x in seq]
+                    _, S_h = run_chunks(h0[h:h + 1], *window, scale, chunk_size)
+                else:
+                    window = [x[h:h + 1, w:hi] for x in seq]
+                    _, S_h = run_chunks(torch.zeros_like(h0[h:h + 1]), *window, scale, chunk_size)
+                chosen[h] = S_h[0]
+            S_init.append(chosen)
+        S = None
+        for s in range(len(edges) - 1):
+            lo, hi = edges[s], edges[s + 1]
+            O, S = run_chunks(S_init[s], *[x[:, lo:hi] for x in seq], scale, chunk_size)
+            o[b, start + lo:start + hi] = O.transpose(0, 1)
+        finals.append(S if S is not None else h0)
+        inits.append(torch.stack(S_init))
+    return SegmentedResult(o=o, final_state=state_from_kv(torch.stack(finals), state_v_first),
+                           segment_initial_states=inits)
