@@ -1,0 +1,95 @@
+"""Content hashes for the artifact's keys: the checkpoint (config and every weight file, since
+the gate at layer l depends on all layers below it) and the corpus.
+
+Hashing a large checkpoint takes a while, so each file's digest is remembered in the cache by
+(absolute path, size, mtime_ns); a file whose size or mtime changed is hashed again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from filelock import FileLock
+
+from ..environment import cache_dir
+from .atomic import atomic_write_text
+from .errors import CalibrationError
+
+WEIGHT_SUFFIXES = (".safetensors",)
+_BLOCK = 1 << 22
+
+
+def _cache_file() -> Path:
+    return cache_dir() / "calibrate" / "file_hashes.json"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_files(checkpoint: str | Path) -> list[Path]:
+    """config.json plus every weight file, sorted by name so the hash does not depend on listing order."""
+    root = Path(checkpoint)
+    config = root / "config.json"
+    if not config.is_file():
+        raise CalibrationError(f"no config.json in checkpoint folder {root}")
+    weights = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not weights:
+        raise CalibrationError(f"no *.safetensors weight files in checkpoint folder {root}")
+    return [config, *weights]
+
+
+class HashCache:
+    """file -> sha256, valid while the file's size and mtime_ns are unchanged."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or _cache_file()
+        self.hits = 0
+        self.misses = 0
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, json.JSONDecodeError):
+            return {}  # a missing or corrupt cache only costs a rehash
+
+    def digest(self, file: Path) -> str:
+        file = file.resolve()
+        st = file.stat()
+        entry = self._read().get(str(file))
+        if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+            self.hits += 1
+            return entry["sha256"]
+        self.misses += 1
+        sha = file_sha256(file)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.path) + ".lock"):
+            data = self._read()
+            data[str(file)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+            atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
+        return sha
+
+
+def checkpoint_hash(checkpoint: str | Path, cache: HashCache | None = None) -> str:
+    cache = cache or HashCache()
+    digest = hashlib.sha256()
+    for f in checkpoint_files(checkpoint):
+        digest.update(f"{f.name}\0{cache.digest(f)}\n".encode())
+    return digest.hexdigest()
+
+
+def corpus_hash(texts: list[tuple[str, str]]) -> str:
+    """sha256 over (name, text) pairs in the order the pass reads them."""
+    digest = hashlib.sha256()
+    for name, text in texts:
+        data = text.encode("utf-8")
+        digest.update(f"{os.path.basename(name)}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()

@@ -1,0 +1,47 @@
+"""The knobs that decide a calibration's answer; they are stored in the artifact with it."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .errors import CalibrationError
+
+DEFAULT_EPS = 1e-5
+DEFAULT_MAX_WINDOW = 16
+DEFAULT_QUANTILE = 0.999
+DEFAULT_CHUNK = 64
+# A token with |g| at or below this forgets nothing measurable (decay factor >= 0.9999).
+DEFAULT_ZERO_DECAY_TOL = 1e-4
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    eps: float = DEFAULT_EPS
+    max_window: int = DEFAULT_MAX_WINDOW
+    quantile: float = DEFAULT_QUANTILE
+    chunk_size: int = DEFAULT_CHUNK
+    zero_decay_tol: float = DEFAULT_ZERO_DECAY_TOL
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.eps, (int, float)) and 0.0 < float(self.eps) < 1.0):
+            raise CalibrationError(f"eps must be in (0, 1), got {self.eps!r}")
+        if not (isinstance(self.quantile, (int, float)) and 0.0 < float(self.quantile) < 1.0):
+            raise CalibrationError(f"quantile Q must be in (0, 1), got {self.quantile!r}")
+        if isinstance(self.max_window, bool) or not isinstance(self.max_window, int) or self.max_window < 1:
+            raise CalibrationError(f"max window N must be an int >= 1, got {self.max_window!r}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise CalibrationError(f"chunk size must be an int >= 1, got {self.chunk_size!r}")
+        if not (float(self.zero_decay_tol) >= 0.0):
+            raise CalibrationError(f"zero-decay tolerance must be >= 0, got {self.zero_decay_tol!r}")
+
+    @property
+    def log_eps(self) -> float:
+        return math.log(self.eps)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CalibrationSettings":
+        return cls(eps=float(data["eps"]), max_window=int(data["max_window"]), quantile=float(data["quantile"]),
+                   chunk_size=int(data["chunk_size"]), zero_decay_tol=float(data["zero_decay_tol"]))
