@@ -1,0 +1,51 @@
+// Host-side launch ABI shared by every rendered GDN kernel library and the Python loader.
+//
+// Each rendered .cu is built into one shared library that exports these extern "C" symbols;
+// the runtime calls them through ctypes, so loading never needs a PyTorch C++ extension.
+// Keep this struct in sync with flashqla_tune/abi.py (a test compares the two).
+#pragma once
+#include <stdint.h>
+
+#define FQT_ABI_VERSION 1
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct FqtGdnFwdArgs {
+  // Inputs. Tokens of all sequences are packed: q, k [T, Hqk, K]; v [T, Hv, V]; g, beta [T, Hv] fp32.
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const float* beta;
+  // [N + 1] int64 token offsets on the device; values are clamped in-kernel, so any content is safe.
+  const int64_t* cu_seqlens;
+  // fp32 [N, Hv, K, V] (or [N, Hv, V, K] for the state_v_first layout); either may be null.
+  const float* initial_state;
+  float* final_state;
+  // Output [T, Hv, V], same dtype as q/k/v.
+  void* o;
+  // Scratch of fqt_gdn_fwd_workspace_bytes(total_tokens, num_seqs) bytes, 256-byte aligned.
+  void* workspace;
+  int64_t total_tokens;
+  int64_t num_seqs;
+  float scale;
+  int32_t use_qk_l2norm;  // normalise q and k rows in-kernel: x / sqrt(sum x^2 + 1e-6)
+  int32_t reserved;
+} FqtGdnFwdArgs;
+
+// ABI version the library was built against (FQT_ABI_VERSION).
+int32_t fqt_abi_version(void);
+// JSON text describing the compiled plan (spec and tile parameters), for checks at load time.
+const char* fqt_plan_json(void);
+// Bytes of scratch a call with these sizes needs.
+int64_t fqt_gdn_fwd_workspace_bytes(int64_t total_tokens, int64_t num_seqs);
+// Enqueue the forward on `stream` (a cudaStream_t). Returns 0 or a cudaError_t code; never syncs.
+int32_t fqt_gdn_fwd(const FqtGdnFwdArgs* args, void* stream);
+// Message for a code returned above.
+const char* fqt_error_string(int32_t code);
+
+#ifdef __cplusplus
+}
+#endif
