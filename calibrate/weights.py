@@ -1,0 +1,69 @@
+"""Where each tensor of a checkpoint lives, and reading just the tensors one layer needs.
+
+Only safetensors headers are read up front, so checking names and shapes for every layer
+costs no weight I/O; a layer's tensors are read when that layer runs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import CalibrationError
+
+
+class WeightIndex:
+    def __init__(self, checkpoint: str | Path):
+        self.root = Path(checkpoint)
+        self.files = sorted(self.root.glob("*.safetensors"))
+        if not self.files:
+            raise CalibrationError(f"no *.safetensors weight files in checkpoint folder {self.root}")
+        self.location: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for f in self.files:
+            try:
+                with safe_open(str(f), framework="pt") as fh:
+                    for name in fh.keys():
+                        self.location[name] = f
+                        self.shapes[name] = tuple(fh.get_slice(name).get_shape())
+            except Exception as exc:  # safetensors raises its own error types
+                raise CalibrationError(f"cannot read weight file {f}: {exc}") from exc
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.location
+
+    def names_with_prefix(self, prefix: str) -> list[str]:
+        return sorted(n for n in self.location if n.startswith(prefix))
+
+    def find_suffix(self, suffix: str) -> str | None:
+        """The shortest tensor name ending in suffix (e.g. 'embed_tokens.weight'), or None."""
+        hits = [n for n in self.location if n.endswith(suffix)]
+        return min(hits, key=len) if hits else None
+
+    def require(self, name: str, what: str, shape: tuple[int, ...] | None = None) -> None:
+        if name not in self.location:
+            raise CalibrationError(f"checkpoint {self.root} has no tensor {name!r} ({what})")
+        if shape is not None and self.shapes[name] != tuple(shape):
+            raise CalibrationError(f"tensor {name!r} ({what}) has shape {self.shapes[name]}, expected {tuple(shape)}")
+
+    def load(self, names: list[str], device: str | torch.device = "cpu",
+             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for n in names:
+            if n not in self.location:
+                raise CalibrationError(f"checkpoint {self.root} has no tensor {n!r}")
+            by_file[self.location[n]].append(n)
+        out = {}
+        for f, group in by_file.items():
+            with safe_open(str(f), framework="pt", device=str(device)) as fh:
+                for n in group:
+                    t = fh.get_tensor(n)
+                    out[n] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        return out
+
+    def load_prefix(self, prefix: str, device="cpu", dtype=None) -> dict[str, torch.Tensor]:
+        """Every tensor under prefix, keyed by the name with the prefix removed."""
+        tensors = self.load(self.names_with_prefix(prefix), device, dtype)
+        return {n[len(prefix):]: t for n, t in tensors.items()}
