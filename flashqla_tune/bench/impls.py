@@ -1,0 +1,112 @@
+"""Implementations the scoreboard can time, each wrapped to the op's signature:
+fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+   use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None)
+-> (o, final_state). Loaders import lazily; an implementation whose package is missing is
+skipped with the reason, never a failure of the whole run."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .torch_chunked import chunk_gated_delta_rule_torch
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    fn: Callable
+    cu_dtype: torch.dtype  # which cu_seqlens tensor the library wants
+    version: str | None = None
+    note: str = ""
+
+
+def _load_torch():
+    return Impl("torch", chunk_gated_delta_rule_torch, torch.int64, torch.__version__,
+                "chunked algorithm in fp32 PyTorch (batched over chunks; sequential state loop)")
+
+
+def _load_fla():
+    # Read at FLA's import: without it FLA dispatches to FlashQLA and its column is FlashQLA.
+    if "fla" not in sys.modules:
+        os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
+    import fla
+    from fla import backends
+    if not getattr(backends, "_DISPATCH_DISABLED", False):
+        raise ImportError("fla was imported before FLA_DISABLE_BACKEND_DISPATCH=1 was set; its column "
+                          "would time FlashQLA")
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return Impl("fla", chunk_gated_delta_rule, torch.int64, getattr(fla, "__version__", None),
+                "Triton kernels, backend dispatch disabled")
+
+
+def _load_flashqla():
+    import flash_qla
+
+    def fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+           use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None):
+        # FlashQLA has no cu_seqlens_cpu; its metadata caches are keyed by cu_seqlens' identity.
+        return flash_qla.chunk_gated_delta_rule(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=cu_seqlens, state_v_first=state_v_first)
+    return Impl("flashqla", fn, torch.int64, getattr(flash_qla, "__version__", None),
+                "TileLang kernels, auto CP on, high-level API")
+
+
+def _ours():
+    from flashqla_tune.ops import chunk_gated_delta_rule
+    import flashqla_tune
+    return chunk_gated_delta_rule, getattr(flashqla_tune, "__version__", None)
+
+
+def _load_flashqla_tune():
+    fn, version = _ours()
+    return Impl("flashqla_tune", fn, torch.int32, version, "our op, default plan and warm-up window")
+
+
+def _load_flashqla_tune_exact():
+    op, version = _ours()
+    warmups: dict = {}
+
+    def fn(q, k, v, g, beta, **kw):
+        key = (v.shape[2], v.device)
+        if key not in warmups:  # made once per head count so graph capture sees no allocation
+            warmups[key] = torch.full((v.shape[2],), -1, dtype=torch.int32, device=v.device)
+        return op(q, k, v, g, beta, warmup=warmups[key], **kw)
+    return Impl("flashqla_tune_exact", fn, torch.int32, version, "our op, exact chaining (warmup all -1)")
+
+
+# Order = column order in the report. The calibrated-warm-up column joins when calibration exists.
+LOADERS: dict[str, Callable[[], Impl]] = {
+    "fla": _load_fla,
+    "flashqla": _load_flashqla,
+    "torch": _load_torch,
+    "flashqla_tune": _load_flashqla_tune,
+    "flashqla_tune_exact": _load_flashqla_tune_exact,
+}
+
+
+def load_impls(names=None) -> tuple[list[Impl], dict[str, str]]:
+    """(loaded implementations, {name: why skipped}) for the names asked (all by default)."""
+    names = list(names) if names else list(LOADERS)
+    unknown = [n for n in names if n not in LOADERS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; known: {list(LOADERS)}")
+    loaded, skipped = [], {}
+    for name in names:
+        try:
+            loaded.append(LOADERS[name]())
+        except Exception as exc:  # any import-time failure (no GPU, missing package) is a skip
+            skipped[name] = f"{type(exc).__name__}: {exc}"
+    return loaded, skipped
+
+
+def call(impl: Impl, x, output_final_state: bool = True):
+    """Run impl on a CaseInputs set with the protocol's arguments."""
+    cu = x.cu_seqlens if impl.cu_dtype == torch.int32 else x.cu_seqlens_long
+    return impl.fn(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.initial_state,
+                   output_final_state=output_final_state, cu_seqlens=cu, cu_seqlens_cpu=x.cu_seqlens_cpu)

@@ -1,0 +1,124 @@
+"""The scoreboard's outputs: one JSON with everything, and a markdown table a person reads (per
+mode, each implementation's median ms, the ratios against FLA and FlashQLA, and against the
+floor; then accuracy)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .cases import HEAD_LABELS
+
+ANCHORS = ("fla", "flashqla")
+MODES = (("graph", "CUDA-graph replay (kernel time)"), ("eager", "eager (host overhead included)"))
+
+
+def _ms(x) -> str:
+    return "-" if x is None else (f"{x:.3f}" if x < 100 else f"{x:.1f}")
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}"
+
+
+def _time(row, impl, mode):
+    t = row.get("times", {}).get(impl, {}).get(mode)
+    return None if not t else t.get("median_ms")
+
+
+def _heads_cell(row, seen: set) -> str:
+    heads = row["heads"]
+    if heads in seen:
+        return heads
+    seen.add(heads)
+    label = HEAD_LABELS.get(tuple(int(p) for p in heads.split("/")))
+    return f"{heads} ({label})" if label else heads
+
+
+def mode_table(results: dict, mode: str) -> list[str]:
+    impls = [i for i in results["impls"] if results["impls"][i]["available"]]
+    anchors = [a for a in ANCHORS if a in impls]
+    head = ["heads (h_qk/h_v)", "seqlens", "floor"] + impls
+    for impl in impls:
+        head += [f"{impl}/{a}" for a in anchors if a != impl] + [f"{impl}/floor"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    seen: set = set()
+    for row in results["rows"]:
+        floor = (row.get("floor") or {}).get("floor_ms")
+        cells = [_heads_cell(row, seen), row["seqlens"], _ms(floor)]
+        cells += [_ms(_time(row, i, mode)) for i in impls]
+        for impl in impls:
+            t = _time(row, impl, mode)
+            cells += [_ratio(t, _time(row, a, mode)) for a in anchors if a != impl] + [_ratio(t, floor)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def errors_section(results: dict) -> list[str]:
+    """Every measurement that produced no number, with its reason."""
+    out = []
+    for row in results["rows"]:
+        for impl, modes in row.get("times", {}).items():
+            for mode, t in modes.items():
+                if isinstance(t, dict) and t.get("error"):
+                    out.append(f"- {row['heads']} {row['seqlens']} {impl} {mode}: {t['error']}")
+        if row.get("error"):
+            out.append(f"- {row['heads']} {row['seqlens']}: {row['error']}")
+    return out
+
+
+def accuracy_table(results: dict) -> list[str]:
+    rows = [r for r in results["rows"] if r.get("accuracy")]
+    if not rows:
+        return []
+    impls = [i for i in results["impls"] if results["impls"][i]["available"]]
+    head = ["heads", "seqlens"] + [f"{i} {w}" for i in impls for w in ("o", "state")]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["heads"], row["seqlens"]]
+        for impl in impls:
+            acc = row["accuracy"].get(impl, {})
+            cells += [f"{acc[w]:.1e}" if w in acc else "-" for w in ("o", "state")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_markdown(results: dict) -> str:
+    meta = results["meta"]
+    env, ceil, v = meta["environment"], meta.get("ceilings") or {}, meta["environment"]["versions"]
+    gpu = env.get("gpu") or {}
+    lines = [f"# Scoreboard: GDN chunked prefill forward ({env['date']})", "",
+             f"- GPU: {gpu.get('name', 'none')} ({gpu.get('sm_count', '?')} SMs), driver {env.get('driver')}",
+             "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+             ]
+    if ceil:
+        lines.append(f"- ceilings measured in this run: device-to-device copy "
+                     f"{ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write), bf16 "
+                     f"{ceil['matmul_n']}^3 matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
+    lines += [f"- protocol: {meta['protocol']}",
+              f"- floor: max(bytes / copy bandwidth, FLOPs / matmul rate); "
+              f"{meta['flops_per_token_head'] / 1e3:.0f} kFLOP per token per v-head (floor.py)",
+              "- implementations: " + "; ".join(
+                  f"{n} ({d['version']}: {d['note']})" if d["available"] else f"{n} skipped: {d['reason']}"
+                  for n, d in results["impls"].items())]
+    if meta.get("prewarm"):
+        lines.append(f"- prewarm (JIT compile, parallel processes): {meta['prewarm']}")
+    lines += ["", "Times are medians in ms; ratios are row time / column time (below 1 is faster)."]
+    for mode, title in MODES:
+        if mode in meta["modes"]:
+            lines += ["", f"## Forward, {title}", ""] + mode_table(results, mode)
+    acc = accuracy_table(results)
+    if acc:
+        lines += ["", "## Accuracy (relative L2 vs float64 chunked reference, input set 0)", ""] + acc
+    errs = errors_section(results)
+    if errs:
+        lines += ["", "## Missing numbers", ""] + errs
+    return "\n".join(lines) + "\n"
+
+
+def write(results: dict, out_dir, stem: str = "scoreboard") -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / f"{stem}.json", out / f"{stem}.md"
+    js.write_text(json.dumps(results, indent=1, default=str))
+    md.write_text(render_markdown(results))
+    return md, js

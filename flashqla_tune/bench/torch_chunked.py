@@ -1,0 +1,155 @@
+"""The plain-PyTorch baseline: the chunked GDN forward (DESIGN.md, "The math") in fp32 (or
+float64) torch on any device. Everything that does not depend on the state (gamma, the gate-free
+A0, the decay masks, the intra-chunk products) runs batched over every chunk of every sequence
+and head at once; only the state recurrence loops, one step per chunk position, with all
+sequences that still have a chunk at that position in lockstep.
+
+No host syncs when cu_seqlens_cpu is given (the chunk layout comes from the host copy and is
+cached per (lengths, device)), so the whole call can be captured in a CUDA graph."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where every token sits in the padded [num_chunks, CHUNK] layout, and which chunks run at
+    each step of the recurrence."""
+    num_seqs: int
+    num_chunks: int
+    token_slot: torch.Tensor  # [T] slot (chunk * CHUNK + offset) of each real token
+    slot_token: torch.Tensor  # [num_chunks * CHUNK] token of each slot, or T (a zero pad row)
+    steps: tuple  # per step: (seq indices or None when all run, chunk indices)
+
+
+_LAYOUTS: dict = {}
+
+
+def chunk_layout(bounds: tuple[int, ...], device) -> ChunkLayout:
+    """Layout for offsets `bounds` (host ints), cached so repeated and graph-captured calls do
+    no host-to-device copies."""
+    key = (bounds, str(device))
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
+    lens = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(bounds)}")
+    nchunks = [(n + CHUNK - 1) // CHUNK for n in lens]
+    first = [sum(nchunks[:i]) for i in range(len(lens))]
+    total = sum(nchunks)
+    T = bounds[-1]
+    token_slot = torch.empty(T, dtype=torch.int64)
+    slot_token = torch.full((total * CHUNK,), T, dtype=torch.int64)
+    for s, (start, n) in enumerate(zip(bounds[:-1], lens)):
+        slots = torch.arange(n) + first[s] * CHUNK
+        token_slot[start:start + n] = slots
+        slot_token[slots] = torch.arange(start, start + n)
+    steps = []
+    for j in range(max(nchunks, default=0)):
+        seqs = [s for s in range(len(lens)) if nchunks[s] > j]
+        chunks = torch.tensor([first[s] + j for s in seqs], dtype=torch.int64, device=device)
+        all_run = len(seqs) == len(lens)
+        steps.append((None if all_run else torch.tensor(seqs, dtype=torch.int64, device=device), chunks))
+    layout = ChunkLayout(len(lens), total, token_slot.to(device), slot_token.to(device), tuple(steps))
+    _LAYOUTS[key] = layout
+    return layout
+
+
+def _to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """[T, H, D...] -> [num_chunks, H, CHUNK, D...], pad slots zero (zero k, v, beta and g leave
+    the state unchanged, so tails need no masking)."""
+    padded = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])[layout.slot_token]
+    padded = padded.view(layout.num_chunks, CHUNK, *x.shape[1:])
+    return padded.transpose(1, 2)
+
+
+def chunk_gated_delta_rule_torch(
+    q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+    use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+    compute_dtype=torch.float32,
+):
+    """The op's signature; o in v's dtype, final state in fp32 (compute_dtype if wider)."""
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
+        raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} do not fit")
+    if g.shape != (B, T, Hv) or beta.shape != (B, T, Hv):
+        raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be {(B, T, Hv)}")
+    if cu_seqlens is None:
+        bounds = tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
+    else:
+        if B != 1:
+            raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got {B}")
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()  # the only sync
+        bounds = tuple(int(x) for x in host.tolist())
+        if bounds[0] != 0 or bounds[-1] != T:
+            raise ValueError(f"cu_seqlens must run from 0 to T={T}, got {list(bounds)}")
+    layout = chunk_layout(bounds, v.device)
+    N = layout.num_seqs
+    scale = K ** -0.5 if scale is None else scale
+    dt = compute_dtype
+    group = Hv // Hqk
+
+    def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
+        return x.reshape(B * T, *x.shape[2:]).to(dt)
+
+    qf, kf = flat(q), flat(k)
+    if use_qk_l2norm_in_kernel:
+        qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
+        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    # v-head h reads q/k head h // group
+    qc = _to_chunks(qf, layout).repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
+    kc = _to_chunks(kf, layout).repeat_interleave(group, dim=1)
+    vc = _to_chunks(flat(v), layout)  # [NC, Hv, C, V]
+    gc = _to_chunks(flat(g), layout)  # [NC, Hv, C]
+    bc = _to_chunks(flat(beta), layout)
+
+    gamma = gc.cumsum(-1)
+    gamma_last = gamma[..., -1]
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    Gamma = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    # Gate-free A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, one triangular solve per chunk.
+    eye = torch.eye(CHUNK, dtype=dt, device=v.device)
+    lower = torch.tril(bc[..., :, None] * (kc @ kc.transpose(-1, -2)), diagonal=-1)
+    A0 = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    Tmat = (Gamma * A0) * bc[..., None, :]  # (Gamma . A0) diag(b)
+    d = gamma.exp()[..., None]
+    U = Tmat @ vc  # V_new = U - Wk S
+    Wk = Tmat @ (d * kc)
+    Qd = d * qc  # O = scale (Qd S + QKm V_new)
+    QKm = Gamma * (qc @ kc.transpose(-1, -2))
+    Kt = (kc * (gamma_last[..., None] - gamma).exp()[..., None]).transpose(-1, -2)  # [NC, Hv, K, C]
+    decay = gamma_last.exp()[..., None, None]
+    del gamma, diff, Gamma, lower, A0, Tmat, d, qc, kc, vc, gc, bc
+
+    if initial_state is None:
+        S = torch.zeros(N, Hv, K, V, dtype=dt, device=v.device)
+    else:
+        want = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state shape {tuple(initial_state.shape)}, expected {want}")
+        S = initial_state.to(dt)
+        S = (S.transpose(-1, -2) if state_v_first else S).contiguous().clone()
+    O = torch.empty(layout.num_chunks, Hv, CHUNK, V, dtype=dt, device=v.device)
+    for seqs, chunks in layout.steps:
+        S_in = S if seqs is None else S.index_select(0, seqs)
+        V_new = U.index_select(0, chunks) - Wk.index_select(0, chunks) @ S_in
+        O_j = Qd.index_select(0, chunks) @ S_in + QKm.index_select(0, chunks) @ V_new
+        O.index_copy_(0, chunks, O_j)
+        S_out = decay.index_select(0, chunks) * S_in + Kt.index_select(0, chunks) @ V_new
+        if seqs is None:
+            S = S_out
+        else:
+            S.index_copy_(0, seqs, S_out)
+    o = (scale * O).transpose(1, 2).reshape(layout.num_chunks * CHUNK, Hv, V)[layout.token_slot]
+    o = o.view(B, T, Hv, V).to(v.dtype)
+    if not output_final_state:
+        return o, None
+    final = S.transpose(-1, -2) if state_v_first else S
+    return o, final.contiguous().to(torch.promote_types(dt, torch.float32))

@@ -1,0 +1,71 @@
+"""flashqla-tune bench: the scoreboard (DESIGN.md, "Benchmark protocol") against FLA, FlashQLA
+and a plain PyTorch baseline; writes a markdown table and a JSON file."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="time implementations of the op on the protocol's cases (needs a GPU)",
+                       description=" ".join(__doc__.split()))
+    p.add_argument("--impl", action="append", metavar="NAME",
+                   help="implementation to time (repeatable; default: every one that imports): "
+                        "fla, flashqla, torch, flashqla_tune, flashqla_tune_exact")
+    p.add_argument("--heads", action="append", metavar="HQK/HV", help="head configuration (repeatable), e.g. 16/64")
+    p.add_argument("--seqlens", action="append", metavar="MIX", help="length mix (repeatable), e.g. 1x32768, 28672+4096")
+    p.add_argument("--quick", action="store_true", help="a quick subset: 2/8 and 16/64 on 1x2048, 1x32768, 1024+7168")
+    p.add_argument("--out", metavar="DIR", help="folder for scoreboard.md and scoreboard.json")
+    p.add_argument("--stem", default="scoreboard", help="output file name stem (default: scoreboard)")
+    p.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True, help="CUDA-graph replay timing")
+    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True, help="eager timing")
+    p.add_argument("--accuracy-max-tokens", type=int, default=8192, metavar="N",
+                   help="measure accuracy on cases of at most N tokens (0: never; default 8192)")
+    p.add_argument("--budget-s", type=float, metavar="S",
+                   help="start no new case S seconds after the start (prewarm included)")
+    p.add_argument("--prewarm", action="store_true",
+                   help="compile FLA/FlashQLA kernels for every head configuration in parallel processes first")
+    p.add_argument("--sample-budget-s", type=float, default=0.3, metavar="S",
+                   help="time spent per measurement beyond the 10-sample minimum (default 0.3)")
+    return p
+
+
+def run(args) -> int:
+    import time
+
+    import torch
+
+    from ..bench import floor, report, runner
+    from ..bench.cases import select_cases
+    from ..bench.impls import load_impls
+    from ..bench.timing import CudaTimer
+
+    modes = tuple(m for m, on in (("graph", args.graph), ("eager", args.eager)) if on)
+    if not modes:
+        raise ValueError("both --no-graph and --no-eager given: nothing to time")
+    cases = select_cases(args.heads, args.seqlens, args.quick)
+    if not torch.cuda.is_available():
+        raise RuntimeError("flashqla-tune bench needs a CUDA GPU (torch.cuda.is_available() is False)")
+    impls, skipped = load_impls(args.impl)
+    for name, why in skipped.items():
+        print(f"[bench] skipping {name}: {why}", flush=True)
+    if not impls:
+        raise RuntimeError(f"no implementation could be loaded: {skipped}")
+    t0 = time.perf_counter()
+    prewarm = None
+    if args.prewarm:
+        from ..bench.prewarm import prewarm_parallel
+        heads = sorted({(c.num_qk_heads, c.num_v_heads) for c in cases})
+        lens = sorted({c.seqlens for c in cases})
+        names = [i.name for i in impls if i.name in ("fla", "flashqla")]
+        prewarm = prewarm_parallel(heads, lens, names, timeout_s=args.budget_s or 600)
+        print(f"[bench] prewarm: {prewarm}", flush=True)
+    ceilings = floor.measure_ceilings()
+    print(f"[bench] ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    results = runner.run(cases, impls, skipped, CudaTimer(budget_s=args.sample_budget_s), modes=modes,
+                         ceilings=ceilings, accuracy_max_tokens=args.accuracy_max_tokens,
+                         budget_s=None if args.budget_s is None else args.budget_s - (time.perf_counter() - t0),
+                         out_dir=args.out, stem=args.stem,
+                         log=lambda m: print(m, flush=True), prewarm=prewarm)
+    print(report.render_markdown(results))
+    return 0

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The scoreboard on the H200 (device tool `run`, carry [".anchors"]). Unpacks the anchor bundle
+# (FLA, FlashQLA) if present, installs nothing else, writes scoreboard.md/.json and the log to
+# $OUT, and prints the table last. Extra arguments go to `flashqla-tune bench`, e.g. --quick.
+set -uo pipefail
+OUT=${OUT:-/tmp/scoreboard_out}
+mkdir -p "$OUT"
+if [ -f .anchors/anchors.tar.xz ]; then
+  mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
+  export PYTHONPATH=/tmp/anchors:$PWD
+else
+  echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
+python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(['bench', '--out', '$OUT', *sys.argv[1:]]))" \
+  "$@" >"$OUT/bench.log" 2>&1
+rc=$?
+# progress lines first (the whole log stays in $OUT), then the table last
+grep -v '^|\|^#\|^- \|^$' "$OUT/bench.log" | tail -n 40
+echo "---- rc=$rc ----"
+[ -f "$OUT/scoreboard.md" ] && cat "$OUT/scoreboard.md"
+exit $rc

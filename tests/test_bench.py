@@ -1,0 +1,179 @@
+"""CPU tests of the scoreboard: protocol inputs and cases, the plain-PyTorch baseline against the
+float64 oracle, the report writer on synthetic numbers, the CLI's help. Timing itself needs the
+H200 and is exercised there (scripts/h200_scoreboard.sh)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flashqla_tune.bench import cases as C
+from flashqla_tune.bench import floor, report, runner
+from flashqla_tune.bench.impls import load_impls
+from flashqla_tune.bench.inputs import make_inputs, make_rotation, zero_gate_heads
+from flashqla_tune.bench.timing import Timing, rotation_count
+from flashqla_tune.bench.torch_chunked import chunk_gated_delta_rule_torch
+from flashqla_tune.cli import main as cli_main
+from flashqla_tune.oracle import chunk_gated_delta_rule_chunked, recurrent_gated_delta_rule
+
+from gdn_inputs import make_inputs as oracle_inputs
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_cases_are_exactly_the_protocol():
+    heads = [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16)]
+    lens = ["1x32768", "1x8192", "1x2048", "28672+4096", "16384+16384", "4096+28672",
+            "12288+4096", "1024+7168", "8192x4", "1024x8"]
+    got = C.all_cases()
+    assert len(got) == 80
+    assert [(c.num_qk_heads, c.num_v_heads) for c in got[::10]] == heads
+    assert [c.seqlens_label for c in got[:10]] == lens
+    assert all(c.head_k_dim == c.head_v_dim == 128 for c in got)
+    assert [C.parse_seqlens(s) for s in lens] == list(C.SEQLENS)
+
+
+def test_case_filters_and_bad_values():
+    quick = C.select_cases(quick=True)
+    assert {c.heads for c in quick} == {"2/8", "16/64"} and len(quick) == 6
+    picked = C.select_cases(heads=["16/32"], seqlens=["8192x4", "1024+7168"])
+    assert [c.name for c in picked] == ["16/32 8192x4", "16/32 1024+7168"]
+    with pytest.raises(ValueError, match="16/33"):
+        C.parse_heads("16/33")
+    with pytest.raises(ValueError, match="1xabc"):
+        C.parse_seqlens("1xabc")
+
+
+def test_inputs_follow_the_protocol():
+    case = C.Case(2, 8, (100, 37))
+    x = make_inputs(case, "cpu", seed=3)
+    T = 137
+    assert x.q.shape == x.k.shape == (1, T, 2, 128) and x.v.shape == (1, T, 8, 128)
+    assert x.q.dtype == x.k.dtype == x.v.dtype == torch.bfloat16
+    assert x.g.shape == x.beta.shape == (1, T, 8) and x.g.dtype == x.beta.dtype == torch.float32
+    assert x.initial_state.shape == (2, 8, 128, 128) and x.initial_state.dtype == torch.float32
+    assert torch.allclose(x.q.float().norm(dim=-1), torch.ones(1, T, 2), atol=1e-2)
+    assert torch.allclose(x.k.float().norm(dim=-1), torch.ones(1, T, 2), atol=1e-2)
+    assert x.cu_seqlens.dtype == torch.int32 and x.cu_seqlens_long.dtype == torch.int64
+    assert x.cu_seqlens_cpu.tolist() == [0, 100, 137] == x.cu_seqlens.tolist()
+    assert x.scale == 128 ** -0.5
+    assert ((x.beta > 0) & (x.beta < 1)).all()
+    zero = zero_gate_heads(8)
+    assert len(zero) == 2  # 25% of 8
+    assert (x.g[..., zero] == 0).all()
+    others = [h for h in range(8) if h not in zero.tolist()]
+    assert (x.g[..., others] < 0).all() and (x.g[..., others] > -1).all()
+    # the zero-gate heads are fixed by a seed, not by the data seed
+    assert torch.equal(zero, zero_gate_heads(8)) and len(zero_gate_heads(64)) == 16
+    y = make_inputs(case, "cpu", seed=4)
+    assert (y.g[..., zero] == 0).all() and not torch.equal(x.v, y.v)
+    assert torch.equal(make_inputs(case, "cpu", seed=3).v, x.v)
+
+
+def test_rotation_shares_cu_seqlens_objects():
+    sets = make_rotation(C.Case(2, 8, (64, 64)), 3, "cpu")
+    assert len(sets) == 3 and not torch.equal(sets[0].v, sets[1].v)
+    assert all(s.cu_seqlens is sets[0].cu_seqlens and s.cu_seqlens_long is sets[0].cu_seqlens_long for s in sets)
+    assert rotation_count(10 << 20, 60 << 20, 4 << 30) == 12
+    assert rotation_count(1 << 30, 60 << 20, 4 << 30) == 1
+    assert rotation_count(1 << 20, 60 << 20, 4 << 20) == 4  # capped by memory
+
+
+@pytest.mark.parametrize("cu,svf,hqk,hv", [([0, 37, 101, 231], False, 2, 4), (None, True, 1, 3),
+                                           ([0, 5, 69, 200], True, 2, 2)])
+def test_torch_baseline_matches_oracle(cu, svf, hqk, hv):
+    d = oracle_inputs(B=2 if cu is None else 1, T=150, Hqk=hqk, Hv=hv, K=16, V=8, cu_seqlens=cu,
+                      initial_state=True, state_v_first=svf, gate="mixed")
+    ref_o, ref_s = recurrent_gated_delta_rule(**d, output_final_state=True)
+    ch_o, ch_s = chunk_gated_delta_rule_chunked(**d, output_final_state=True)
+    f32 = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in d.items()}
+    o, s = chunk_gated_delta_rule_torch(**f32, output_final_state=True, cu_seqlens_cpu=d["cu_seqlens"])
+    assert o.dtype == s.dtype == torch.float32
+    assert rel(o, ref_o) < 1e-5 and rel(s, ref_s) < 1e-5
+    assert rel(o, ch_o) < 1e-5 and rel(s, ch_s) < 1e-5
+    o64, s64 = chunk_gated_delta_rule_torch(**d, output_final_state=True, compute_dtype=torch.float64)
+    assert rel(o64, ref_o) < 1e-12 and rel(s64, ref_s) < 1e-12
+
+
+def test_torch_baseline_l2norm_and_no_state():
+    d = oracle_inputs(T=70, Hqk=1, Hv=2, K=8, V=8, gate="strong")
+    d["q"], d["k"] = d["q"] * 3, d["k"] * 0.5
+    ref_o, _ = recurrent_gated_delta_rule(**d, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_gated_delta_rule_torch(**d, use_qk_l2norm_in_kernel=True, compute_dtype=torch.float64)
+    assert s is None and rel(o, ref_o) < 1e-12
+
+
+def test_floor_numbers():
+    per_token = floor.flops_per_chunk_head() / floor.CHUNK
+    assert 120e3 < per_token < 150e3  # the design card's "about 140 kFLOP per token per v-head"
+    case = C.Case(2, 8, (32768,))
+    # q, k: 2 MiB-ish each per 4096 tokens...: check by hand for this case
+    want = 2 * (2 * 32768 * 2 * 128 + 2 * 32768 * 8 * 128) + 8 * 32768 * 8 + 8 * 8 * 128 * 128
+    assert floor.case_bytes(case) == want
+    f = floor.case_floor(case, {"copy_bytes_per_s": 4e12, "matmul_flops_per_s": 1e15})
+    assert f["floor_ms"] == max(f["bytes_ms"], f["flops_ms"]) and f["bound"] == "memory"
+
+
+class FakeTimerForTests:
+    """Test double: returns synthetic times per implementation without measuring anything."""
+
+    MS = {"fla": 2.0, "flashqla": 1.0, "torch": 40.0}
+
+    def warmup(self, call, sets):
+        call(sets[0])  # still runs the implementation once, so a broken call shows
+
+    def graph(self, call, sets):
+        return Timing(self.MS[call.__defaults__[0].name], [1.0])
+
+    def eager(self, call, sets):
+        return Timing(error="eager call failed: synthetic")
+
+
+def test_report_on_synthetic_numbers(tmp_path):
+    impls, skipped = load_impls(["torch"])
+    assert [i.name for i in impls] == ["torch"]
+    fake_fla = impls[0].__class__("fla", impls[0].fn, torch.int64, "0.0", "test double")
+    fake_fqla = impls[0].__class__("flashqla", impls[0].fn, torch.int64, "0.0", "test double")
+    cases = [C.Case(1, 4, (70, 50), 16, 16), C.Case(2, 4, (64,), 16, 16)]
+    results = runner.run(cases, [fake_fla, fake_fqla, impls[0]], {"flashqla_tune": "ImportError: not yet"},
+                         FakeTimerForTests(), device="cpu", ceilings={
+                             "copy_bytes_per_s": 4e12, "matmul_flops_per_s": 7e14, "matmul_n": 8192},
+                         out_dir=tmp_path, log=lambda m: None)
+    md = (tmp_path / "scoreboard.md").read_text()
+    js = json.loads((tmp_path / "scoreboard.json").read_text())
+    assert js["rows"][0]["times"]["torch"]["graph"]["median_ms"] == 40.0
+    assert js["impls"]["flashqla_tune"] == {"available": False, "reason": "ImportError: not yet"}
+    assert "| heads (h_qk/h_v) | seqlens | floor | fla | flashqla | torch |" in md
+    # FLA/FlashQLA = 2.00, torch/FLA = 20.00, torch/FlashQLA = 40.00
+    line = next(l for l in md.splitlines() if "70+50" in l)
+    assert "| 2.000 | 1.000 | 40.000 | 2.00 |" in line and "| 20.00 | 40.00 |" in line
+    assert "eager call failed: synthetic" in md and "flashqla_tune skipped" in md
+    acc = js["rows"][0]["accuracy"]["torch"]
+    # fp32 baseline vs float64 reference: o is rounded to bf16 (v's dtype), the state is fp32
+    assert acc["o"] < 4e-3 and acc["state"] < 1e-5
+    assert "8.79 TB/s" not in md and "4.00 TB/s" in md
+
+
+def test_budget_marks_rows_not_run(tmp_path):
+    impls, _ = load_impls(["torch"])
+    res = runner.run([C.Case(1, 1, (8,), 8, 8)] * 2, impls, {}, FakeTimerForTests(), device="cpu",
+                     budget_s=-1.0, log=lambda m: None)
+    assert all("not run" in r["error"] for r in res["rows"])
+    assert "not run" in report.render_markdown(res)
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--impl", "--heads", "--seqlens", "--quick", "--out", "--no-graph", "--no-eager"):
+        assert flag in out
+
+
+def test_unknown_impl_is_a_clear_error():
+    with pytest.raises(ValueError, match="nope"):
+        load_impls(["nope"])
