@@ -1,0 +1,64 @@
+"""flashqla-tune compile: build the default plans for a spec or a checkpoint into the cache."""
+from __future__ import annotations
+
+import json
+
+from .. import cache
+from ..build import BuildConfig
+from ..model_config import read_model_config
+from ..plan import default_plan
+from ..spec import GDNSpec
+
+
+def add_parser(sub):
+    p = sub.add_parser("compile", help="build the default kernel plans for a spec or a checkpoint")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint folder (or its config.json); else give --hqk/--hv")
+    p.add_argument("--hqk", type=int, help="q/k heads")
+    p.add_argument("--hv", type=int, help="v heads")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="q/k/v dtype")
+    p.add_argument("--state-layout", choices=("kv", "vk"), default="kv", help="kv: [N,Hv,K,V]; vk: [N,Hv,V,K]")
+    p.add_argument("--qk-l2norm", action="store_true", help="normalise q and k in the kernel")
+    p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: cores)")
+    p.add_argument("--force", action="store_true", help="rebuild even when the cache has the entry")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    return p
+
+
+def specs_for(args) -> list[GDNSpec]:
+    """The specs to build: a checkpoint's (plus its Hqk = Hv form for GVA models), or the flags'."""
+    if args.checkpoint:
+        if args.hqk is not None or args.hv is not None:
+            raise ValueError("give either a checkpoint or --hqk/--hv, not both")
+        spec = read_model_config(args.checkpoint).spec
+        # Callers that repeat q/k up to Hv heads before the call need the Hqk = Hv binary too.
+        specs = [spec]
+        if spec.num_qk_heads != spec.num_v_heads:
+            specs.append(spec.with_heads(spec.num_v_heads, spec.num_v_heads))
+        return specs
+    if args.hqk is None or args.hv is None:
+        raise ValueError("compile needs a checkpoint or both --hqk and --hv")
+    return [GDNSpec(num_qk_heads=args.hqk, num_v_heads=args.hv, qkv_dtype=args.dtype,
+                    state_layout=args.state_layout, qk_l2norm_in_kernel=args.qk_l2norm)]
+
+
+def _kernels(resources: dict) -> dict:
+    return {name: r for name, r in resources.items() if r.get("entry")}
+
+
+def run(args) -> int:
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs={args.jobs} must be at least 1")
+    plans = [default_plan(s) for s in specs_for(args)]
+    entries = cache.get_kernels(plans, config=BuildConfig(), jobs=args.jobs, force=args.force)
+    if args.json:
+        print(json.dumps([{"plan": e.plan.name, "path": str(e.path), "built": e.built,
+                           "build_seconds": e.build_seconds, "resources": e.resources} for e in entries], indent=2))
+        return 0
+    for e in entries:
+        when = f"built in {e.build_seconds:.1f} s" if e.built else "cached"
+        print(f"{e.plan.name}\n  {e.path}\n  {when}")
+        for name, r in _kernels(e.resources).items():
+            print(f"  {name}: {r.get('registers', '?')} registers, spill {r.get('spill_stores', 0)} B stores / "
+                  f"{r.get('spill_loads', 0)} B loads, stack {r.get('stack_frame', 0)} B, "
+                  f"smem {r.get('smem', 0)} B static")
+    return 0
