@@ -102,7 +102,10 @@ def render_markdown(results: dict) -> str:
                   for n, d in results["impls"].items())]
     if meta.get("prewarm"):
         lines.append(f"- prewarm (JIT compile, parallel processes): {meta['prewarm']}")
-    lines += ["", "Times are medians in ms; ratios are row time / column time (below 1 is faster)."]
+    lines += ["", "Times are medians in ms; ratios are row time / column time (below 1 is faster). Graph "
+              "replay: one CUDA graph calls the implementation on R distinct input sets (R per row in the "
+              "JSON, 'rotation': together at least twice the L2), median replay time / R. Eager: median "
+              "of single calls timed on the host between two synchronizes."]
     for mode, title in MODES:
         if mode in meta["modes"]:
             lines += ["", f"## Forward, {title}", ""] + mode_table(results, mode)
