@@ -28,8 +28,10 @@ _ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
 class BuildError(RuntimeError):
     """nvcc (or ninja) failed; names each failing plan, its .cu file and nvcc's message."""
 
-    def __init__(self, failures: list[tuple[str, Path, str]], message: str | None = None):
+    def __init__(self, failures: list[tuple[str, Path, str]], message: str | None = None,
+                 results: list | None = None):
         self.failures = failures
+        self.results = results or []   # the jobs of the same run that did build
         if message is None:
             parts = [f"building plan {name} from {source} failed:\n{text.rstrip()}" for name, source, text in failures]
             message = "\n\n".join(parts)
@@ -278,9 +280,7 @@ def build(jobs: list[BuildJob], build_dir: Path, config: BuildConfig | None = No
         results.append(BuildResult(job, seconds.get(str(job.output)) if rebuilt else None,
                                    parse_ptxas_report(log_text), recorded_headers(build_dir, job.output)))
     if failures:
-        error = BuildError(failures)
-        error.results = results
-        raise error
+        raise BuildError(failures, results=results)
     if proc.returncode != 0:
         # Every output exists yet ninja failed: a ninja-level problem (bad file, missing tool).
         raise BuildError([(j.name, j.source, proc.stdout + proc.stderr) for j in jobs])

@@ -291,7 +291,7 @@ def _build_and_publish(todo: list[KeyedSource], config: BuildConfig, root: Path,
         try:
             results, error = build(build_jobs, staging, config, jobs), None
         except BuildError as exc:
-            results, error = getattr(exc, "results", []), exc
+            results, error = exc.results, exc
         elapsed = time.perf_counter() - start
         for result in results:
             k, folder = staged[result.job.name]
