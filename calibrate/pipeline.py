@@ -24,8 +24,9 @@ from .runner import run_layer_by_layer, steps
 from .settings import CalibrationSettings
 from .weights import WeightIndex
 
-DEFAULT_SEQ_LEN = 2048
-DEFAULT_MAX_SEQUENCES = 64
+# Defaults per device kind: the GPU takes the 64 x 4096 tokens; the CPU takes fewer so
+# that calibrating the shipped model stays under a minute on a 2-core machine.
+DEFAULT_TOKENS = {"cuda": (4096, 64), "cpu": (2048, 24)}
 
 
 @dataclass
@@ -50,8 +51,8 @@ def _pick(device, dtype):
 
 
 def calibrate_checkpoint(checkpoint=None, corpus=None, settings: CalibrationSettings | None = None,
-                         out_dir=None, *, seq_len: int = DEFAULT_SEQ_LEN,
-                         max_sequences: int | None = DEFAULT_MAX_SEQUENCES, batch_size: int = 8,
+                         out_dir=None, *, seq_len: int | None = None,
+                         max_sequences: int | None = None, batch_size: int = 8,
                          device=None, dtype=None, offload: bool = False, progress: bool = True,
                          write: bool = True) -> CalibrationResult:
     settings = settings or CalibrationSettings()
@@ -69,9 +70,11 @@ def calibrate_checkpoint(checkpoint=None, corpus=None, settings: CalibrationSett
     weights = WeightIndex(ckpt)
     tokenizer = load_tokenizer(ckpt)
     texts = read_corpus(corpus)
-    corpus_name = str(corpus) if corpus is not None else "shipped:corpus.txt"
-    tokens = tokenize_corpus(texts, tokenizer, seq_len, max_sequences, corpus_name)
     dev, dt = _pick(device, dtype)
+    default_len, default_n = DEFAULT_TOKENS["cuda" if dev.type == "cuda" else "cpu"]
+    corpus_name = str(corpus) if corpus is not None else "shipped:corpus.txt"
+    tokens = tokenize_corpus(texts, tokenizer, seq_len or default_len,
+                             default_n if max_sequences is None else max_sequences, corpus_name)
     adapter = adapter_class(model.family)(ckpt, model, weights, dev, dt)
     adapter.check()
     sha = checkpoint_hash(ckpt)
