@@ -39,7 +39,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   char* base = static_cast<char*>(a.workspace);
 
   static bool attributes_set = false;  // per process and plan: the attribute is a property of the function
-  constexpr int prep_smem = prep_smem_bytes<Cfg::HeadK>();
+  constexpr int prep_smem = PrepConfig<Elem, Cfg::HeadK>::SmemBytes;
   auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
   if (!attributes_set) {

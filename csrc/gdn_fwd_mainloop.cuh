@@ -20,6 +20,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "gdn_sequences.cuh"
+#include "gdn_wgmma.cuh"
 
 namespace fqt {
 
@@ -125,17 +126,6 @@ struct FwdParams {
   int64_t num_slots;
   float scale;
 };
-
-// D (+)= A B over every k-block of the operands' shared-memory descriptors.
-template <class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_gemm(Mma& mma, const TA& tA, const TB& tB, TC& acc, bool zero_init) {
-  mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int kb = 0; kb < size<2>(tA); ++kb) {
-    cute::gemm(mma, tA(_, _, kb), tB(_, _, kb), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-}
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONSTANT const FwdParams<Cfg> p) {
@@ -245,6 +235,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONS
   Tensor tWsW = thr_tok.partition_C(sW_tv);
   Tensor tVnsVn = thr_tok.partition_C(sVn_tv);
   Tensor tVssVs = thr_tok.partition_C(sVs_tv);
+  const int row0 = get<0>(crdTok(0));  // this thread's accumulator rows: row0 and row0 + 8
 
   // Operand descriptors for the fixed buffers.
   Tensor tBS = thr_tok.partition_fragment_B(sS);      // S as B of KS / QS
@@ -265,7 +256,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONS
   }
   auto store_state_smem = [&]() {
     CUTE_UNROLL
-    for (int e = 0; e < size(accS); ++e) tSsS(e) = Elem(accS(e));
+    for (int e = 0; e < size(accS); e += 2) *word_at(tSsS, e) = pack2<Elem>(accS(e), accS(e + 1));
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, 1);
   };
@@ -277,8 +268,13 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONS
   for (int c = 0; c < num_chunks; ++c) {
     const int s = c % Stages;
     auto& st = ss.stage[s];
+    // Each thread's accumulator rows are row0 and row0 + 8: keep their gates in registers
+    // (re-reading global memory per element would be ordered behind every shared store).
     const float* gamma = gamma_base + int64_t(c) * kChunk;
-    const float gamma_last = gamma[kChunk - 1];
+    const float gamma_last = __ldg(gamma + kChunk - 1);
+    const float gamma_r0 = __ldg(gamma + row0), gamma_r1 = __ldg(gamma + row0 + 8);
+    const float d_r0 = __expf(gamma_r0), d_r1 = __expf(gamma_r1);
+    const float tail_r0 = __expf(gamma_last - gamma_r0), tail_r1 = __expf(gamma_last - gamma_r1);
     FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
 
     Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
@@ -307,10 +303,11 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONS
 
     // W = V - D KS -> smem; O <- scale D QS
     CUTE_UNROLL
-    for (int e = 0; e < size(accKS); ++e) {
-      const float d = __expf(gamma[get<0>(crdTok(e))]);
-      tWsW(e) = Elem(float(tVsV(e)) - d * accKS(e));
+    for (int e = 0; e < size(accKS); e += 2) {
+      const float d = get<0>(crdTok(e)) == row0 ? d_r0 : d_r1;
+      *word_at(tWsW, e) = pack2<Elem>(float(tVsV(e)) - d * accKS(e), float(tVsV(e + 1)) - d * accKS(e + 1));
       accO(e) *= p.scale * d;
+      accO(e + 1) *= p.scale * d;
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, 1);
@@ -324,10 +321,10 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONS
     warpgroup_fence_operand(accVn);
 
     CUTE_UNROLL
-    for (int e = 0; e < size(accVn); ++e) {
-      const float tail = __expf(gamma_last - gamma[get<0>(crdTok(e))]);
-      tVnsVn(e) = Elem(accVn(e));
-      tVssVs(e) = Elem(tail * accVn(e));
+    for (int e = 0; e < size(accVn); e += 2) {
+      const float tail = get<0>(crdTok(e)) == row0 ? tail_r0 : tail_r1;
+      *word_at(tVnsVn, e) = pack2<Elem>(accVn(e), accVn(e + 1));
+      *word_at(tVssVs, e) = pack2<Elem>(tail * accVn(e), tail * accVn(e + 1));
     }
     const float chunk_decay = __expf(gamma_last);
     CUTE_UNROLL
@@ -351,9 +348,11 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONS
     const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
     Elem* o_chunk = o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV);
     CUTE_UNROLL
-    for (int e = 0; e < size(accO); ++e) {
+    for (int e = 0; e < size(accO); e += 2) {
       const int row = get<0>(crdTok(e)), col = get<1>(crdTok(e));
-      if (row < valid) o_chunk[int64_t(row) * (Cfg::Hv * Cfg::HeadV) + col] = Elem(accO(e));
+      if (row < valid)
+        *reinterpret_cast<uint32_t*>(o_chunk + int64_t(row) * (Cfg::Hv * Cfg::HeadV) + col) =
+            pack2<Elem>(accO(e), accO(e + 1));
     }
     store_state_smem();
   }

@@ -6,14 +6,21 @@
 //   Aw[i][j]  = e^{gamma_i - gamma_j} A0[i][j] b_j  (j <= i), A0 = (I + strictly_lower(diag(b) K K^T))^{-1}
 //   P[i][j]   = scale e^{gamma_i - gamma_j} (q_i . k_j)  (j <= i)
 // Rows and columns past the sequence end are zero, so the sequential kernel needs no masks.
-// A0 is solved without exponentials (gate-free); the decay mask is applied afterwards.
+// K K^T and Q K^T run on the tensor cores (one warp group each); A0 is solved without
+// exponentials (gate-free) for up to kHeadBatch v-heads at once, then the decay mask is applied.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
 #include "gdn_sequences.cuh"
+#include "gdn_wgmma.cuh"
 
 namespace fqt {
+
+using namespace cute;
 
 struct PrepArgs {
   const void* q;          // [T, Hqk, K]
@@ -35,24 +42,32 @@ struct PrepArgs {
 
 constexpr int kPrepThreads = 256;
 constexpr int kPrepPad = kChunk + 1;  // padded rows of 64x64 fp32 tiles (no bank conflicts)
+constexpr int kHeadBatch = 2;         // v-heads whose A0 solves share one pass of 63 barriers
 
-template <int HeadK>
-constexpr int prep_smem_bytes() {
-  return (2 * kChunk * (HeadK + 1) + 3 * kChunk * kPrepPad + 2 * kChunk) * int(sizeof(float));
-}
+template <class Elem, int HeadK>
+struct PrepConfig {
+  using LayoutQK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kChunk>, Int<HeadK>>{}));
+  using Mma = decltype(make_tiled_mma(GMMA::ss_op_selector<Elem, Elem, float, Shape<Int<kChunk>, Int<kChunk>, Int<HeadK>>,
+                                                           GMMA::Major::K, GMMA::Major::K>()));
+  struct alignas(1024) SharedStorage {
+    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
+    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
+    float kk[kChunk * kPrepPad];
+    float qk[kChunk * kPrepPad];
+    float a0[kHeadBatch][kChunk * kPrepPad];
+    float gamma[kHeadBatch][kChunk];
+    float beta[kHeadBatch][kChunk];
+  };
+  static constexpr int SmemBytes = int(sizeof(SharedStorage));
+};
 
 template <class Elem, int Hqk, int Hv, int HeadK>
 __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(const PrepArgs args) {
   constexpr int G = Hv / Hqk;
-  constexpr int KP = HeadK + 1;
-  extern __shared__ float smem[];
-  float* sQ = smem;                       // [64][KP]
-  float* sK = sQ + kChunk * KP;           // [64][KP]
-  float* sKK = sK + kChunk * KP;          // [64][65]  k_i . k_j
-  float* sQK = sKK + kChunk * kPrepPad;   // [64][65]  q_i . k_j
-  float* sA = sQK + kChunk * kPrepPad;    // [64][65]  A0
-  float* sGamma = sA + kChunk * kPrepPad; // [64]
-  float* sBeta = sGamma + kChunk;         // [64]
+  using Cfg = PrepConfig<Elem, HeadK>;
+  static_assert(HeadK == 128, "one lane holds four of the 128 columns");
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
 
   const int tid = threadIdx.x;
   const int64_t slot = blockIdx.x;
@@ -65,133 +80,137 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(const PrepArgs a
   const int64_t tok0 = range.start + chunk * kChunk;
   const int L = int(min<int64_t>(kChunk, range.len - chunk * kChunk));
 
-  // 1. q and k rows of this chunk into fp32 shared memory (zeros past the end).
-  const Elem* q = static_cast<const Elem*>(args.q);
-  const Elem* k = static_cast<const Elem*>(args.k);
-  for (int idx = tid; idx < kChunk * HeadK; idx += kPrepThreads) {
-    int r = idx / HeadK, d = idx % HeadK;
-    float qv = 0.f, kv = 0.f;
-    if (r < L) {
-      int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d;
-      qv = float(q[off]);
-      kv = float(k[off]);
-    }
-    sQ[r * KP + d] = qv;
-    sK[r * KP + d] = kv;
-  }
-  __syncthreads();
-
-  // 2. Optional in-kernel L2 norm (x / sqrt(sum x^2 + 1e-6)); the normalised rows also go to
-  //    global memory because the sequential kernel loads q and k from there by TMA.
-  if (args.use_qk_l2norm) {
-    const int warp = tid / 32, lane = tid % 32;
-    for (int r = warp; r < kChunk; r += kPrepThreads / 32) {
-      float sq = 0.f, sk = 0.f;
-      for (int d = lane; d < HeadK; d += 32) {
-        sq += sQ[r * KP + d] * sQ[r * KP + d];
-        sk += sK[r * KP + d] * sK[r * KP + d];
-      }
-      for (int o = 16; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
-      const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
-      for (int d = lane; d < HeadK; d += 32) {
-        float qv = sQ[r * KP + d] * rq, kv = sK[r * KP + d] * rk;
-        sQ[r * KP + d] = qv;
-        sK[r * KP + d] = kv;
-        if (r < L) {
-          int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d;
-          static_cast<Elem*>(args.q_normed)[off] = Elem(qv);
-          static_cast<Elem*>(args.k_normed)[off] = Elem(kv);
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  // 3. K K^T and Q K^T; thread (ti, tj) owns rows ti + 16a and columns tj + 16b.
+  // 1. q, k rows into the swizzled wgmma layout (zeros past the end), L2-normalised if asked;
+  //    the normalised rows also go to global memory for the sequential kernel's TMA loads.
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
   {
-    const int ti = tid / 16, tj = tid % 16;
-    float kk[4][4] = {}, qk[4][4] = {};
-    for (int d = 0; d < HeadK; ++d) {
-      float ki[4], qi[4], kj[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        ki[a] = sK[(ti + 16 * a) * KP + d];
-        qi[a] = sQ[(ti + 16 * a) * KP + d];
-        kj[a] = sK[(tj + 16 * a) * KP + d];
+    const int warp = tid / 32, lane = tid % 32, d0 = lane * 4;
+    const Elem* q = static_cast<const Elem*>(args.q);
+    const Elem* k = static_cast<const Elem*>(args.k);
+    for (int r = warp; r < kChunk; r += kPrepThreads / 32) {
+      float qv[4] = {0.f, 0.f, 0.f, 0.f}, kv[4] = {0.f, 0.f, 0.f, 0.f};
+      const int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d0;
+      if (r < L) {
+        Elem qe[4], ke[4];
+        memcpy(qe, q + off, sizeof(qe));
+        memcpy(ke, k + off, sizeof(ke));
+        for (int i = 0; i < 4; ++i) { qv[i] = float(qe[i]); kv[i] = float(ke[i]); }
       }
-#pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]);
-          qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
+      if (args.use_qk_l2norm) {
+        float sq = 0.f, sk = 0.f;
+        for (int i = 0; i < 4; ++i) { sq += qv[i] * qv[i]; sk += kv[i] * kv[i]; }
+        for (int o = 16; o > 0; o >>= 1) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, o);
+          sk += __shfl_xor_sync(0xffffffffu, sk, o);
         }
-    }
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        sKK[(ti + 16 * a) * kPrepPad + tj + 16 * b] = kk[a][b];
-        sQK[(ti + 16 * a) * kPrepPad + tj + 16 * b] = qk[a][b];
+        const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
+        Elem qe[4], ke[4];
+        for (int i = 0; i < 4; ++i) { qv[i] *= rq; kv[i] *= rk; qe[i] = Elem(qv[i]); ke[i] = Elem(kv[i]); }
+        if (r < L) {
+          memcpy(static_cast<Elem*>(args.q_normed) + off, qe, sizeof(qe));
+          memcpy(static_cast<Elem*>(args.k_normed) + off, ke, sizeof(ke));
+        }
       }
+      for (int i = 0; i < 4; ++i) {
+        sQ(r, d0 + i) = Elem(qv[i]);
+        sK(r, d0 + i) = Elem(kv[i]);
+      }
+    }
+  }
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+
+  // 2. K K^T (warp group 0) and Q K^T (warp group 1) on the tensor cores, into fp32 tiles.
+  {
+    typename Cfg::Mma mma;
+    auto thr = mma.get_thread_slice(tid % 128);
+    const bool kk_group = tid < 128;
+    Tensor tA = thr.partition_fragment_A(kk_group ? sK : sQ);
+    Tensor tB = thr.partition_fragment_B(sK);
+    Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    wgmma_gemm(mma, tA, tB, acc, true);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    Tensor crd = thr.partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<kChunk>>{}));
+    float* out = kk_group ? ss.kk : ss.qk;
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); ++e) out[get<0>(crd(e)) * kPrepPad + get<1>(crd(e))] = acc(e);
   }
   __syncthreads();
 
-  for (int gi = 0; gi < G; ++gi) {
-    const int hv = hqk * G + gi;
-    // 4. gate cumsum and beta (padding rows: g = 0, b = 0).
-    if (tid < 32) {
-      const int i0 = 2 * tid, i1 = 2 * tid + 1;
-      float g0 = i0 < L ? args.g[(tok0 + i0) * Hv + hv] : 0.f;
-      float g1 = i1 < L ? args.g[(tok0 + i1) * Hv + hv] : 0.f;
-      float pair = g0 + g1, incl = pair;
-      for (int o = 1; o < 32; o <<= 1) {
-        float up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (tid >= o) incl += up;
+  for (int hb = 0; hb < G; hb += kHeadBatch) {
+    const int nb = min(kHeadBatch, G - hb);
+    // 3. gate cumsum and beta per head of the batch (padding rows: g = 0, b = 0); A0 := I.
+    {
+      const int warp = tid / 32, lane = tid % 32;
+      if (warp < nb) {
+        const int hv = hqk * G + hb + warp;
+        const int i0 = 2 * lane, i1 = 2 * lane + 1;
+        const float g0 = i0 < L ? args.g[(tok0 + i0) * Hv + hv] : 0.f;
+        const float g1 = i1 < L ? args.g[(tok0 + i1) * Hv + hv] : 0.f;
+        const float pair = g0 + g1;
+        float incl = pair;
+        for (int o = 1; o < 32; o <<= 1) {
+          const float up = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += up;
+        }
+        const float excl = incl - pair;
+        ss.gamma[warp][i0] = excl + g0;
+        ss.gamma[warp][i1] = excl + g0 + g1;
+        ss.beta[warp][i0] = i0 < L ? args.beta[(tok0 + i0) * Hv + hv] : 0.f;
+        ss.beta[warp][i1] = i1 < L ? args.beta[(tok0 + i1) * Hv + hv] : 0.f;
       }
-      const float excl = incl - pair;
-      sGamma[i0] = excl + g0;
-      sGamma[i1] = excl + g0 + g1;
-      sBeta[i0] = i0 < L ? args.beta[(tok0 + i0) * Hv + hv] : 0.f;
-      sBeta[i1] = i1 < L ? args.beta[(tok0 + i1) * Hv + hv] : 0.f;
+      for (int idx = tid; idx < nb * kChunk * kChunk; idx += kPrepThreads) {
+        const int h = idx / (kChunk * kChunk), ij = idx % (kChunk * kChunk);
+        ss.a0[h][(ij / kChunk) * kPrepPad + ij % kChunk] = (ij / kChunk == ij % kChunk) ? 1.f : 0.f;
+      }
     }
-    for (int idx = tid; idx < kChunk * kChunk; idx += kPrepThreads)
-      sA[(idx / kChunk) * kPrepPad + idx % kChunk] = (idx / kChunk == idx % kChunk) ? 1.f : 0.f;
     __syncthreads();
 
-    // 5. A0 by forward substitution: A0[i][c] = -b_i sum_{c <= j < i} (k_i . k_j) A0[j][c].
+    // 4. A0 by forward substitution, all heads of the batch together:
+    //    A0[i][c] = -b_i sum_{c <= j < i} (k_i . k_j) A0[j][c]; `per` threads share a column.
     {
-      const int c = tid / 4, part = tid % 4;
+      const int per = kPrepThreads / (nb * kChunk);  // 2 or 4: a power of two within a warp
+      const int col = tid / per, part = tid % per;
+      const int h = col / kChunk, c = col % kChunk;
+      float* a0 = ss.a0[h];
       for (int i = 1; i < kChunk; ++i) {
         float acc = 0.f;
         if (c < i)
-          for (int j = c + part; j < i; j += 4) acc = fmaf(sKK[i * kPrepPad + j], sA[j * kPrepPad + c], acc);
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-        if (c < i && part == 0) sA[i * kPrepPad + c] = -sBeta[i] * acc;
+          for (int j = c + part; j < i; j += per) acc = fmaf(ss.kk[i * kPrepPad + j], a0[j * kPrepPad + c], acc);
+        for (int o = 1; o < per; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (c < i && part == 0) a0[i * kPrepPad + c] = -ss.beta[h][i] * acc;
         __syncthreads();
       }
     }
 
-    // 6. Apply the decay mask and write the slot's rows.
-    Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-    Elem* pm = static_cast<Elem*>(args.p) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-    for (int idx = tid; idx < kChunk * kChunk; idx += kPrepThreads) {
-      const int i = idx / kChunk, j = idx % kChunk;
-      float a = 0.f, pv = 0.f;
-      if (i < L && j <= i) {
-        const float decay = __expf(sGamma[i] - sGamma[j]);
-        a = decay * sA[i * kPrepPad + j] * sBeta[j];
-        pv = args.scale * decay * sQK[i * kPrepPad + j];
+    // 5. Apply the decay mask and write the slot's rows (two columns per store).
+    for (int h = 0; h < nb; ++h) {
+      const int hv = hqk * G + hb + h;
+      const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+      uint32_t* aw = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.aw) + base);
+      uint32_t* pm = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.p) + base);
+      const float* gam = ss.gamma[h];
+      const float* bet = ss.beta[h];
+      for (int idx = tid; idx < kChunk * kChunk / 2; idx += kPrepThreads) {
+        const int i = (2 * idx) / kChunk, j = (2 * idx) % kChunk;
+        float a[2] = {0.f, 0.f}, pv[2] = {0.f, 0.f};
+        for (int t = 0; t < 2; ++t) {
+          if (i < L && j + t <= i) {
+            const float decay = __expf(gam[i] - gam[j + t]);
+            a[t] = decay * ss.a0[h][i * kPrepPad + j + t] * bet[j + t];
+            pv[t] = args.scale * decay * ss.qk[i * kPrepPad + j + t];
+          }
+        }
+        aw[idx] = pack2<Elem>(a[0], a[1]);
+        pm[idx] = pack2<Elem>(pv[0], pv[1]);
       }
-      aw[idx] = Elem(a);
-      pm[idx] = Elem(pv);
+      if (tid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + tid] = gam[min(tid, L - 1)];
     }
-    if (tid < kChunk)
-      args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + tid] = sGamma[min(tid, L - 1)];
     __syncthreads();
   }
 }

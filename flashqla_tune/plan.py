@@ -78,8 +78,14 @@ class KernelPlan:
             raise PlanError(f"malformed plan {data!r}: {exc}") from exc
 
 
+def kernel_spec(spec: GDNSpec) -> GDNSpec:
+    """The spec with what the kernels take at run time (in-kernel L2 norm, beta range) reset,
+    so models that differ only there share one binary."""
+    return dataclasses.replace(spec, qk_l2norm_in_kernel=False, beta_max=2.0)
+
+
 def default_plan(spec: GDNSpec) -> KernelPlan:
-    return KernelPlan(spec, TileParams())
+    return KernelPlan(kernel_spec(spec), TileParams())
 
 
-__all__ = ["KernelPlan", "PlanError", "SpecError", "TileParams", "default_plan"]
+__all__ = ["KernelPlan", "PlanError", "SpecError", "TileParams", "default_plan", "kernel_spec"]

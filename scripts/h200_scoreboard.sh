@@ -7,10 +7,10 @@ OUT=${OUT:-/tmp/scoreboard_out}
 mkdir -p "$OUT"
 if [ -f .anchors/anchors.tar.xz ]; then
   mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
-  export PYTHONPATH=/tmp/anchors:$PWD
+  export PYTHONPATH=/tmp/anchors:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
   echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2
-  export PYTHONPATH=$PWD
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"

@@ -1,0 +1,150 @@
+"""flashqla_tune.ops.chunk_gated_delta_rule: the GDN forward on the Hopper kernels.
+
+FLA's argument names and order. Every check here runs on the host without synchronising
+the GPU; cu_seqlens values are checked only when cu_seqlens_cpu is given (the kernels clamp
+offsets, so they never go out of bounds whatever cu_seqlens holds). The call is a
+torch.library custom op with a fake implementation, so torch.compile traces through it, and
+it is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import runtime
+from .spec import GDNSpec
+
+SUPPORTED_QKV_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_GATE_DTYPES = (torch.float32, torch.bfloat16)
+SUPPORTED_HEAD_DIM = 128
+
+
+class UnsupportedError(ValueError):
+    """The call asks for something the compiled kernels do not implement."""
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B,T,H,D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q shape {tuple(q.shape)} != k shape {tuple(k.shape)}")
+    B, T, Hqk, K = q.shape
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v shape {tuple(v.shape)} does not match q's [B,T]=({B},{T})")
+    Hv, V = v.shape[2], v.shape[3]
+    if Hv % Hqk:
+        raise ValueError(f"v heads Hv={Hv} must be a multiple of q/k heads Hqk={Hqk}")
+    if K != SUPPORTED_HEAD_DIM or V != SUPPORTED_HEAD_DIM:
+        raise UnsupportedError(f"unsupported head dims K={K}, V={V}: the Hopper kernels support K = V = 128")
+    if q.dtype not in SUPPORTED_QKV_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UnsupportedError(f"q, k, v must share one dtype of bfloat16/float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"{name} shape {tuple(t.shape)}, expected [B,T,Hv]=({B},{T},{Hv}) "
+                             f"(per-key-channel gates come with the porting work)")
+        if t.dtype not in SUPPORTED_GATE_DTYPES:
+            raise UnsupportedError(f"{name} dtype {t.dtype} is not supported (float32, or bfloat16 upcast)")
+    device = q.device
+    if device.type != "cuda":
+        raise ValueError(f"inputs must be on a CUDA device, got {device}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor of N+1 >= 2 offsets, got "
+                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if cu_seqlens_cpu is not None:
+            _check_offsets(cu_seqlens_cpu, cu_seqlens.numel(), T)
+    elif cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu given without cu_seqlens")
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if initial_state is not None:
+        want = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+        if tuple(initial_state.shape) != want:
+            layout = "[N,Hv,V,K] (state_v_first)" if state_v_first else "[N,Hv,K,V]"
+            raise ValueError(f"initial_state shape {tuple(initial_state.shape)}, expected {layout} = {want}")
+        if not initial_state.is_floating_point():
+            raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+    return B, T, Hqk, Hv, N
+
+
+def _check_offsets(cu_cpu, expected_len, total_tokens):
+    values = [int(x) for x in (cu_cpu.tolist() if isinstance(cu_cpu, torch.Tensor) else cu_cpu)]
+    if len(values) != expected_len:
+        raise ValueError(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {expected_len}")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            raise ValueError(f"cu_seqlens must be non-decreasing: cu_seqlens[{i}]={values[i]} < "
+                             f"cu_seqlens[{i - 1}]={values[i - 1]}")
+    if values[-1] > total_tokens:
+        raise ValueError(f"cu_seqlens ends at {values[-1]} but the inputs hold only T={total_tokens} tokens")
+
+
+def _check_grad(*tensors):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            "flashqla_tune's GDN backward does not exist yet: call under torch.no_grad() or "
+            "detach the inputs (an autograd graph through this op could not be differentiated)")
+
+
+def _check_gpu(device):
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        raise UnsupportedError(f"{name} is sm_{major}{minor}; the kernels are built for sm_90a (H100/H200)")
+
+
+def call_spec(q, v, state_v_first) -> GDNSpec:
+    """The kernel-shaping spec of a call (what picks the binary)."""
+    return GDNSpec(num_qk_heads=q.shape[2], num_v_heads=v.shape[2], head_k_dim=q.shape[3],
+                   head_v_dim=v.shape[3], qkv_dtype="bfloat16" if q.dtype == torch.bfloat16 else "float16",
+                   state_layout="vk" if state_v_first else "kv")
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
+                           cu_seqlens_cpu=None):
+    """Returns (o [B,T,Hv,V] in q's dtype, final_state fp32 [N,Hv,K,V] / [N,Hv,V,K] or None)."""
+    B, T, Hqk, Hv, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
+    _check_grad(q, k, v, g, beta, initial_state)
+    _check_gpu(q.device)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if cu_seqlens is None:
+        # Batch rows are independent sequences of length T: pack them as varlen on the device.
+        cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int64)
+    else:
+        cu = cu_seqlens.to(torch.int64)
+    o, final = torch.ops.flashqla_tune.gdn_fwd(
+        q.reshape(1, B * T, Hqk, -1), k.reshape(1, B * T, Hqk, -1), v.reshape(1, B * T, Hv, -1),
+        g.reshape(1, B * T, Hv), beta.reshape(1, B * T, Hv), cu, initial_state, float(scale),
+        bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(state_v_first))
+    return o.reshape(B, T, Hv, -1), (final if output_final_state else None)
+
+
+@torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())
+def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+                output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # The plan is picked here, not in the Python wrapper, so torch.compile only sees tensors.
+    plan = runtime.default_plan_for(call_spec(q, v, state_v_first))
+    return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
+                           use_qk_l2norm)
+
+
+@_gdn_fwd_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first):
+    N = cu_seqlens.shape[0] - 1
+    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+    o = q.new_empty(v.shape)
+    shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+    final = q.new_empty(shape if output_final_state else (0,), dtype=torch.float32)
+    return o, final

@@ -1,0 +1,70 @@
+"""Run a plan's kernel library on torch tensors: buffers, the launch struct, the stream.
+
+Libraries are opened once per process and plan (built through the cache on first use). A
+call allocates its outputs and scratch from torch's caching allocator and launches on the
+current stream, so it never synchronises and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from . import abi
+from .plan import KernelPlan, default_plan
+from .spec import GDNSpec
+
+_libraries: dict[KernelPlan, object] = {}
+_lock = threading.Lock()
+
+
+def default_plan_for(spec: GDNSpec) -> KernelPlan:
+    return default_plan(spec)
+
+
+def library(plan: KernelPlan):
+    """The loaded library of a plan; built (or taken from the cache) on first use."""
+    lib = _libraries.get(plan)
+    if lib is None:
+        from .loader import load_kernel  # imported lazily: building needs nvcc, loading needs a GPU
+
+        with _lock:
+            lib = _libraries.get(plan)
+            if lib is None:
+                lib = _libraries[plan] = load_kernel(plan)
+    return lib
+
+
+def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
+            use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None):
+    """Packed inputs ([1, T, H, D], cu_seqlens int64 [N+1] on the device) -> (o, final_state).
+
+    final_state is an empty tensor when not asked for (custom ops cannot return None). Tests
+    pass NaN-filled `out` / `final_out` buffers to prove every element is written."""
+    T, Hv = v.shape[1], v.shape[2]
+    N = cu_seqlens.shape[0] - 1
+    K, V = q.shape[3], v.shape[3]
+    layout_vk = plan.spec.state_layout == "vk"
+    state_shape = (N, Hv, V, K) if layout_vk else (N, Hv, K, V)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g = g.to(torch.float32).contiguous()
+    beta = beta.to(torch.float32).contiguous()
+    cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    o = torch.empty_like(v) if out is None else out
+    final = final_out if final_out is not None else torch.empty(
+        state_shape if output_final_state else (0,), dtype=torch.float32, device=v.device)
+    if T == 0:
+        if output_final_state:
+            final.copy_(h0) if h0 is not None else final.zero_()
+        return o, final
+    lib = library(plan)
+    workspace = torch.empty(lib.workspace_bytes(T, N), dtype=torch.uint8, device=v.device)
+    args = abi.FqtGdnFwdArgs(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(), beta=beta.data_ptr(),
+        cu_seqlens=cu_seqlens.data_ptr(), initial_state=None if h0 is None else h0.data_ptr(),
+        final_state=final.data_ptr() if output_final_state else None, o=o.data_ptr(),
+        workspace=workspace.data_ptr(), total_tokens=T, num_seqs=N, scale=float(scale),
+        use_qk_l2norm=int(bool(use_qk_l2norm)), reserved=0)
+    lib.launch(args, torch.cuda.current_stream(v.device).cuda_stream)
+    return o, final

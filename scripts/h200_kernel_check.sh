@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Kernel check on the H200 (device tool `run`, carry [".whl", ".anchors"]): builds the plans the
+# GPU tests and the scoreboard use, runs the gpu-marked tests against the float64 oracle
+# (FLA's error on the same inputs sets the bar when the anchors are carried), then the
+# scoreboard with the arguments given (e.g. --quick --impl flashqla_tune --impl fla). Logs go to $OUT; the summary prints last.
+set -uo pipefail
+OUT=${OUT:-/tmp/kernel_check_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+if [ -f .anchors/anchors.tar.xz ]; then
+  mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
+  export PYTHONPATH=/tmp/anchors:$PYTHONPATH
+fi
+export PYTHONUNBUFFERED=1 FLASHQLA_TUNE_CACHE=/tmp/fqt-cache FLA_DISABLE_BACKEND_DISPATCH=1
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
+# Build every plan the tests and the quick bench touch, in parallel, before anything runs.
+python3 - <<'PY' 2>&1 | tee "$OUT/build.log"
+import time
+from flashqla_tune import cache
+from flashqla_tune.plan import default_plan
+from flashqla_tune.spec import GDNSpec
+specs = [GDNSpec(h, v) for h, v in [(2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16), (4, 4)]]
+specs += [GDNSpec(2, 8, qkv_dtype="float16"), GDNSpec(2, 8, state_layout="vk")]
+t = time.time()
+entries = cache.get_kernels([default_plan(s) for s in specs])
+print(f"built {len(entries)} plans in {time.time() - t:.1f} s")
+for e in entries:
+    print(e.plan.name, {k: (r.get("registers"), r.get("spill_stores")) for k, r in e.resources.items() if r.get("entry")})
+PY
+python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60
+bash scripts/h200_scoreboard.sh "$@" > "$OUT/scoreboard_run.log" 2>&1
+tail -n 45 "$OUT/scoreboard_run.log"
