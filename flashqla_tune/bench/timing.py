@@ -38,7 +38,7 @@ def _short(exc: BaseException) -> str:
 
 
 SLOW_MS = 20.0  # calls slower than this (the PyTorch baseline on long rows) get fewer samples
-SLOW_MIN_SAMPLES = 5
+SLOW_MIN_SAMPLES = 3
 
 
 def _count(first_ms: float, budget_s: float, lo: int, hi: int) -> int:
