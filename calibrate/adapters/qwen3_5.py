@@ -16,5 +16,10 @@ class Qwen35Adapter(TransformersQwenAdapter):
     def text_config(self, config):
         return getattr(config, "text_config", None) or config
 
+    def rotary_positions(self, pos):
+        # multimodal RoPE: one row per (text, height, width) axis, all equal for text;
+        # some transformers versions take only this 3-row form
+        return pos[None].expand(3, *pos.shape)
+
     def gate_input(self, attn, proj_out):
         return proj_out          # in_proj_a: hidden -> Hv, one `a` per v-head

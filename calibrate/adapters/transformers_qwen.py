@@ -57,6 +57,10 @@ class TransformersQwenAdapter(GDNAdapter):
     def gate_proj_rows(self) -> int:
         return self.model.spec.num_v_heads
 
+    def rotary_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """Position ids in the shape the family's rotary embedding takes."""
+        return pos
+
     # --- checks -------------------------------------------------------------------------
     def check(self) -> None:
         hv, hidden = self.model.spec.num_v_heads, self.model.hidden_size
@@ -143,7 +147,7 @@ class TransformersQwenAdapter(GDNAdapter):
             captured.clear()
             B, T = hidden.shape[:2]
             pos = torch.arange(T, device=hidden.device)[None].expand(B, T)
-            out = layer(hidden, position_embeddings=self.rotary(hidden, pos),
+            out = layer(hidden, position_embeddings=self.rotary(hidden, self.rotary_positions(pos)),
                         attention_mask=None if is_gdn else self._mask(hidden, pos), position_ids=pos)
             out = out[0] if isinstance(out, tuple) else out
             if is_gdn and len(captured) != 1:
