@@ -6,8 +6,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kernel_check_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+# The carried wheels, then this checkout as a regular install (offline; the image has setuptools),
+# so the run exercises the installed package data (templates/, csrc/) and flashqla_tune.calibrate.
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
+export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1  # never import the source tree from the cwd
 if [ -f .anchors/anchors.tar.xz ]; then
   mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
   export PYTHONPATH=/tmp/anchors:$PYTHONPATH

@@ -7,14 +7,14 @@ OUT=${OUT:-/tmp/scoreboard_out}
 mkdir -p "$OUT"
 if [ -f .anchors/anchors.tar.xz ]; then
   mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
-  export PYTHONPATH=/tmp/anchors:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/anchors:${PYTHONPATH:-$PWD}
 else
   echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=${PYTHONPATH:-$PWD}
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
-python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(['bench', '--out', '$OUT', *sys.argv[1:]]))" \
+python3 -m flashqla_tune.cli.bench --out "$OUT" \
   "$@" >"$OUT/bench.log" 2>&1
 rc=$?
 # progress lines first (the whole log stays in $OUT), then the table last
