@@ -73,7 +73,7 @@ def figure_png(cal: Calibration) -> bytes:
                  color="white" if v <= s.max_window * 0.6 or v > s.max_window else "black")
     ax1.set_xlabel("v-head")
     ax1.set_ylabel("GDN layer")
-    ax1.set_title(f"warm-up chunks n_h (eps={s.eps:g}, Q={s.quantile}; red = exact)")
+    ax1.set_title(f"n_h (eps={s.eps:g}, Q={s.quantile})\nred = exact", fontsize=9)
     ax1.set_xticks(range(H))
     ax1.set_yticks(range(L))
     fig.colorbar(im, ax=ax1, fraction=0.04)
