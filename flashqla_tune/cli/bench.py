@@ -69,3 +69,18 @@ def run(args) -> int:
                          log=lambda m: print(m, flush=True), prewarm=prewarm)
     print(report.render_markdown(results))
     return 0
+
+
+def main(argv=None) -> int:
+    """`python -m flashqla_tune.cli.bench ...`: the bench command alone, so a device script does not
+    depend on importing every other subcommand."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="flashqla-tune")
+    add_parser(parser.add_subparsers(dest="command", required=True)).set_defaults(_run=run)
+    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
