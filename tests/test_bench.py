@@ -177,3 +177,11 @@ def test_cli_help(capsys):
 def test_unknown_impl_is_a_clear_error():
     with pytest.raises(ValueError, match="nope"):
         load_impls(["nope"])
+
+
+def test_impl_row_limit(tmp_path):
+    impls, _ = load_impls(["torch"])
+    res = runner.run([C.Case(1, 1, (8,), 8, 8), C.Case(1, 1, (100,), 8, 8)], impls, {}, FakeTimerForTests(),
+                     device="cpu", impl_max_tokens={"torch": 50}, log=lambda m: None)
+    assert res["rows"][0]["times"]["torch"]["graph"]["median_ms"] == 40.0
+    assert "over 50 tokens" in res["rows"][1]["times"]["torch"]["graph"]["error"]

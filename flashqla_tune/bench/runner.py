@@ -22,7 +22,10 @@ PROTOCOL = ("q, k L2-normalised bf16; v bf16; g = logsigmoid(randn)/16 fp32, 25%
 def run(cases: list[Case], impls: list[Impl], skipped: dict[str, str], timer, *, modes=("graph", "eager"),
         device="cuda", ceilings: dict | None = None, accuracy_max_tokens: int = 8192,
         rotation_cap_bytes: int = 4 << 30, budget_s: float | None = None, out_dir=None,
-        stem: str = "scoreboard", log=print, prewarm: str | None = None) -> dict:
+        stem: str = "scoreboard", log=print, prewarm: str | None = None,
+        impl_max_tokens: dict[str, int] | None = None) -> dict:
+    """impl_max_tokens: {impl: N} runs that implementation only on rows of at most N tokens (for
+    a short device budget: the PyTorch baseline is the slow one)."""
     env = environment.describe() if torch.cuda.is_available() else environment.describe(None)
     l2 = (env.get("gpu") or {}).get("l2_bytes") or 0
     results = {
@@ -43,7 +46,13 @@ def run(cases: list[Case], impls: list[Impl], skipped: dict[str, str], timer, *,
                 row["error"] = f"not run: the run's budget of {budget_s:.0f} s was spent"
                 continue
             try:
-                _run_case(case, impls, timer, modes, device, ceilings, l2, rotation_cap_bytes,
+                limits = impl_max_tokens or {}
+                here = [i for i in impls if case.total_tokens <= limits.get(i.name, case.total_tokens)]
+                for i in impls:
+                    if i not in here:
+                        row["times"][i.name] = {m: {"median_ms": None, "n": 0, "error": (
+                            f"not run: rows over {limits[i.name]} tokens skipped for {i.name}")} for m in modes}
+                _run_case(case, here, timer, modes, device, ceilings, l2, rotation_cap_bytes,
                           accuracy_max_tokens, row, log)
             except Exception as exc:  # one bad case (e.g. out of memory) must not lose the rest
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -26,6 +26,8 @@ def add_parser(sub):
                    help="compile FLA/FlashQLA kernels for every head configuration in parallel processes first")
     p.add_argument("--sample-budget-s", type=float, default=0.3, metavar="S",
                    help="time spent per measurement beyond the 10-sample minimum (default 0.3)")
+    p.add_argument("--torch-max-tokens", type=int, metavar="N",
+                   help="time the PyTorch baseline only on rows of at most N tokens (short device budgets)")
     return p
 
 
@@ -66,7 +68,8 @@ def run(args) -> int:
                          ceilings=ceilings, accuracy_max_tokens=args.accuracy_max_tokens,
                          budget_s=None if args.budget_s is None else args.budget_s - (time.perf_counter() - t0),
                          out_dir=args.out, stem=args.stem,
-                         log=lambda m: print(m, flush=True), prewarm=prewarm)
+                         log=lambda m: print(m, flush=True), prewarm=prewarm,
+                         impl_max_tokens=None if args.torch_max_tokens is None else {"torch": args.torch_max_tokens})
     print(report.render_markdown(results))
     return 0
 
