@@ -46,13 +46,6 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, s
                              f"(per-key-channel gates come with the porting work)")
         if t.dtype not in SUPPORTED_GATE_DTYPES:
             raise UnsupportedError(f"{name} dtype {t.dtype} is not supported (float32, or bfloat16 upcast)")
-    device = q.device
-    if device.type != "cuda":
-        raise ValueError(f"inputs must be on a CUDA device, got {device}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                    ("cu_seqlens", cu_seqlens)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device} but q is on {device}")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got B={B}")
@@ -71,6 +64,13 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, s
             raise ValueError(f"initial_state shape {tuple(initial_state.shape)}, expected {layout} = {want}")
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
+    device = q.device
+    if device.type != "cuda":
+        raise ValueError(f"inputs must be on a CUDA device, got {device}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
     return B, T, Hqk, Hv, N
 
 

@@ -26,15 +26,16 @@ def make_inputs(B=1, T=100, Hqk=2, Hv=4, K=16, V=8, *, gate="mixed", beta_max=1.
 
 def gate_values(kind, shape, gen, dtype=torch.float64):
     """strong: ~-0.7/token; weak: ~-0.003/token; zero: 0; mixed: FlashQLA's logsigmoid(randn)/16
-    with every fourth head at zero."""
+    with every fourth head at zero. Drawn on the generator's device."""
+    dev = gen.device
     if kind == "strong":
-        return F.logsigmoid(torch.randn(shape, generator=gen, dtype=dtype))
+        return F.logsigmoid(torch.randn(shape, generator=gen, dtype=dtype, device=dev))
     if kind == "weak":
-        return -0.003 * torch.rand(shape, generator=gen, dtype=dtype)
+        return -0.003 * torch.rand(shape, generator=gen, dtype=dtype, device=dev)
     if kind == "zero":
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=dev)
     if kind == "mixed":
-        g = F.logsigmoid(torch.randn(shape, generator=gen, dtype=dtype)) / 16
+        g = F.logsigmoid(torch.randn(shape, generator=gen, dtype=dtype, device=dev)) / 16
         g[..., ::4] = 0.0
         return g
     raise ValueError(kind)

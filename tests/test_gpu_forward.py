@@ -17,6 +17,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
+from gdn_inputs import gate_values  # noqa: E402
+
 from flashqla_tune import ops, runtime  # noqa: E402
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked  # noqa: E402
 
@@ -33,20 +35,6 @@ def fla_forward():
     return chunk_gated_delta_rule
 
 
-def gate(kind, shape, gen):
-    if kind == "strong":
-        return F.logsigmoid(torch.randn(shape, generator=gen, device=DEV))
-    if kind == "weak":
-        return -0.003 * torch.rand(shape, generator=gen, device=DEV)
-    if kind == "zero":
-        return torch.zeros(shape, device=DEV)
-    if kind == "mixed":  # the benchmark's gates: logsigmoid(randn)/16 with a quarter of heads at 0
-        g = F.logsigmoid(torch.randn(shape, generator=gen, device=DEV)) / 16
-        g[..., ::4] = 0
-        return g
-    raise ValueError(kind)
-
-
 def make_case(seed, seqlens, hqk, hv, dtype, decay, h0, layout_vk, normalised=True, batch=None):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(seqlens) if batch is None else seqlens[0]
@@ -56,7 +44,7 @@ def make_case(seed, seqlens, hqk, hv, dtype, decay, h0, layout_vk, normalised=Tr
     if normalised:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
     v = torch.randn(B, T, hv, 128, generator=gen, device=DEV)
-    g = gate(decay, (B, T, hv), gen)
+    g = gate_values(decay, (B, T, hv), gen, torch.float32)
     beta = torch.rand(B, T, hv, generator=gen, device=DEV)
     cu = None
     if batch is None:
