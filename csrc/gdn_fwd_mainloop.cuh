@@ -27,7 +27,7 @@ namespace fqt {
 using namespace cute;
 
 template <class Elem_, int Hqk_, int Hv_, int HeadK_, int HeadV_, int BlockV_, int Stages_, bool StateVFirst_,
-          int ProducerRegs_, int ConsumerRegs_>
+          int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int Hqk = Hqk_, Hv = Hv_, HeadK = HeadK_, HeadV = HeadV_;
@@ -35,6 +35,12 @@ struct FwdConfig {
   static constexpr bool StateVFirst = StateVFirst_;
   static constexpr int ProducerRegs = ProducerRegs_, ConsumerRegs = ConsumerRegs_;
   static constexpr int Threads = 256;
+  // Launch bounds cap registers at 65536 / (Threads * CtasPerSm) per thread; setmaxnreg then moves
+  // them from the producer to the math warp group inside that pool.
+  static constexpr int CtasPerSm = CtasPerSm_;
+  static_assert(CtasPerSm == 1 || CtasPerSm == 2, "one or two CTAs per SM");
+  static_assert(ProducerRegs + ConsumerRegs <= 2 * (65536 / (Threads * CtasPerSm)),
+                "the register split exceeds the pool the launch bounds leave");
   static_assert(HeadK == 128, "the shared-memory layouts assume K = 128");
   static_assert(HeadV % BlockV == 0, "block_v must divide V");
 
@@ -128,7 +134,7 @@ struct FwdParams {
 };
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::Threads, 1) gdn_fwd_kernel(CUTE_GRID_CONSTANT const FwdParams<Cfg> p) {
+__global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(CUTE_GRID_CONSTANT const FwdParams<Cfg> p) {
   using Elem = typename Cfg::Elem;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;

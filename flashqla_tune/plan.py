@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 from .spec import GDNSpec, SpecError
 
-# setmaxnreg takes multiples of 8 in [24, 256]. Two warp groups of 128 threads can never exceed
-# the SM's 65536 registers (128 x 512), so only the per-role ranges need checking.
+# setmaxnreg takes multiples of 8 in [24, 256]. A CTA of 2 warp groups resident ctas_per_sm times
+# on an SM gets 65536 / (256 * ctas_per_sm) registers per thread at launch, a pool its two roles
+# then split with setmaxnreg; shared memory per CTA is at most 227 KB (232448 bytes) on sm_90.
+REGISTERS_PER_SM = 65536
+SHARED_MEMORY_PER_SM = 232448
+THREADS_PER_CTA = 256
 SUPPORTED_HEAD_DIMS = (128,)
 
 
@@ -25,6 +29,7 @@ class TileParams:
     stages: int = 2              # shared-memory pipeline depth of the chunk loads
     producer_regs: int = 40      # registers per thread of the TMA producer warp group
     consumer_regs: int = 232     # registers per thread of the math warp group
+    ctas_per_sm: int = 1         # CTAs resident per SM (two let two sequential chains share an SM)
 
     def validate(self, spec: GDNSpec) -> None:
         if self.block_v not in (32, 64, 128) or spec.head_v_dim % self.block_v:
@@ -35,11 +40,30 @@ class TileParams:
             regs = getattr(self, name)
             if regs % 8 or not 24 <= regs <= 256:
                 raise PlanError(f"{name}={regs} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+        if self.ctas_per_sm not in (1, 2):
+            raise PlanError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
+        pool = REGISTERS_PER_SM // (THREADS_PER_CTA * self.ctas_per_sm) * 2
+        if self.producer_regs + self.consumer_regs > pool:
+            raise PlanError(f"producer_regs={self.producer_regs} + consumer_regs={self.consumer_regs} exceed the "
+                            f"{pool} per thread pair that ctas_per_sm={self.ctas_per_sm} leaves")
+        smem = self.shared_memory_bytes(spec)
+        if smem * self.ctas_per_sm > SHARED_MEMORY_PER_SM:
+            raise PlanError(f"block_v={self.block_v}, stages={self.stages} need {smem} B of shared memory per CTA; "
+                            f"{self.ctas_per_sm} CTA(s) per SM allow {SHARED_MEMORY_PER_SM // self.ctas_per_sm} B")
         # The S accumulator alone takes K * block_v / 128 fp32 registers per consumer thread.
         state_regs = spec.head_k_dim * self.block_v // 128
         if state_regs + 64 > self.consumer_regs:
             raise PlanError(f"consumer_regs={self.consumer_regs} cannot hold the {state_regs}-register state "
                             f"tile of block_v={self.block_v} plus working registers")
+
+
+    def shared_memory_bytes(self, spec: GDNSpec) -> int:
+        """The main kernel's shared storage (csrc/gdn_fwd_mainloop.cuh SharedStorage), 16-bit
+        elements: per stage q, k [C x K], v [C x block_v], Aw, P [C x C]; then S [K x block_v]
+        and W, Vn, Vs [C x block_v]; then the barriers."""
+        C, K, bv = spec.chunk_size, spec.head_k_dim, self.block_v
+        stage = 2 * (2 * C * K + C * bv + 2 * C * C)
+        return self.stages * stage + 2 * (K * bv + 3 * C * bv) + 1024
 
 
 @dataclass(frozen=True)
@@ -61,7 +85,8 @@ class KernelPlan:
     @property
     def name(self) -> str:
         t = self.tiles
-        return f"{self.spec.name}__bv{t.block_v}_st{t.stages}_r{t.producer_regs}x{t.consumer_regs}"
+        occupancy = f"_c{t.ctas_per_sm}" if t.ctas_per_sm != 1 else ""
+        return f"{self.spec.name}__bv{t.block_v}_st{t.stages}_r{t.producer_regs}x{t.consumer_regs}{occupancy}"
 
     def to_dict(self) -> dict:
         return {"spec": self.spec.to_dict(), "tiles": dataclasses.asdict(self.tiles)}

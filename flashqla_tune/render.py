@@ -90,6 +90,7 @@ def render_context(plan: KernelPlan) -> dict:
         "stages": t.stages,
         "producer_regs": t.producer_regs,
         "consumer_regs": t.consumer_regs,
+        "ctas_per_sm": t.ctas_per_sm,
     }
 
 

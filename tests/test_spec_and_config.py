@@ -47,6 +47,10 @@ def test_spec_name_and_round_trip():
     (TileParams(producer_regs=30), "producer_regs=30 must be a multiple of 8"),
     (TileParams(consumer_regs=264), "consumer_regs=264 must be a multiple of 8 in \\[24, 256\\]"),
     (TileParams(block_v=128, consumer_regs=160), "cannot hold the 128-register state"),
+    (TileParams(ctas_per_sm=3), "ctas_per_sm=3 must be 1 or 2"),
+    (TileParams(ctas_per_sm=2, stages=1), "exceed the 256 per thread pair that ctas_per_sm=2 leaves"),
+    (TileParams(block_v=128, stages=3), "need 279552 B of shared memory per CTA; 1 CTA\\(s\\) per SM allow 232448 B"),
+    (TileParams(block_v=32, stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 116224 B"),
 ])
 def test_plan_rejects_bad_tiles(tiles, match):
     with pytest.raises(PlanError, match=match):
