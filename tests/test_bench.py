@@ -185,3 +185,17 @@ def test_impl_row_limit(tmp_path):
                      device="cpu", impl_max_tokens={"torch": 50}, log=lambda m: None)
     assert res["rows"][0]["times"]["torch"]["graph"]["median_ms"] == 40.0
     assert "over 50 tokens" in res["rows"][1]["times"]["torch"]["graph"]["error"]
+
+
+def test_impl_failing_everywhere_gets_no_columns(tmp_path):
+    impls, _ = load_impls(["torch"])
+
+    def broken(*a, **k):
+        raise RuntimeError("toolchain missing")
+    bad = impls[0].__class__("flashqla_tune", broken, torch.int32, "0.1", "test double")
+    res = runner.run([C.Case(1, 1, (8,), 8, 8)], [impls[0], bad], {}, FakeTimerForTests(), device="cpu",
+                     log=lambda m: None)
+    res["meta"]["notes"] = ["a note"]
+    md = report.render_markdown(res)
+    assert "flashqla_tune (0.1) failed on every row: warm-up failed: RuntimeError: toolchain missing" in md
+    assert "| flashqla_tune |" not in md and "| torch |" in md and "- note: a note" in md

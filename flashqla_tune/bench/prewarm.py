@@ -6,6 +6,7 @@ Run as: python -m flashqla_tune.bench.prewarm --heads 16/64 --seqlens 1x32768 ..
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -29,8 +30,11 @@ def prewarm_parallel(head_configs, seqlens, impl_names, timeout_s: float, log=pr
             cmd += ["--seqlens", format_seqlens(tuple(s))]
         for name in impl_names:
             cmd += ["--impl", name]
+        # FLA writes its Triton autotune picks to disk by default (FLA_CACHE_RESULTS=1); picks made
+        # while 8 processes share the GPU are wrong for the timed run, so only binaries are cached.
+        env = {**os.environ, "FLA_CACHE_RESULTS": "0"}
         procs.append((f"{hq}/{hv}", subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                     text=True)))
+                                                     text=True, env=env)))
     failed = []
     for heads, p in procs:
         try:

@@ -10,6 +10,7 @@ from .cases import HEAD_LABELS
 
 ANCHORS = ("fla", "flashqla")
 MODES = (("graph", "CUDA-graph replay (kernel time)"), ("eager", "eager (host overhead included)"))
+MODES_KEYS = tuple(m for m, _ in MODES)
 
 
 def _ms(x) -> str:
@@ -34,8 +35,26 @@ def _heads_cell(row, seen: set) -> str:
     return f"{heads} ({label})" if label else heads
 
 
+def measured(results: dict) -> list[str]:
+    """Implementations that loaded and produced at least one number (the table's columns); one
+    that failed on every row is listed with its first error instead."""
+    out = []
+    for name, info in results["impls"].items():
+        if info["available"] and any(_time(r, name, m) is not None for r in results["rows"] for m in MODES_KEYS):
+            out.append(name)
+    return out
+
+
+def _first_error(results: dict, impl: str) -> str:
+    for row in results["rows"]:
+        for t in row.get("times", {}).get(impl, {}).values():
+            if isinstance(t, dict) and t.get("error"):
+                return t["error"]
+    return "no measurement"
+
+
 def mode_table(results: dict, mode: str) -> list[str]:
-    impls = [i for i in results["impls"] if results["impls"][i]["available"]]
+    impls = measured(results)
     anchors = [a for a in ANCHORS if a in impls]
     head = ["heads (h_qk/h_v)", "seqlens", "floor"] + impls
     for impl in impls:
@@ -54,10 +73,14 @@ def mode_table(results: dict, mode: str) -> list[str]:
 
 
 def errors_section(results: dict) -> list[str]:
-    """Every measurement that produced no number, with its reason."""
+    """Every measurement that produced no number, with its reason (implementations that failed on
+    every row are summarised in the header instead)."""
     out = []
+    shown = set(measured(results))
     for row in results["rows"]:
         for impl, modes in row.get("times", {}).items():
+            if impl not in shown:
+                continue
             for mode, t in modes.items():
                 if isinstance(t, dict) and t.get("error"):
                     out.append(f"- {row['heads']} {row['seqlens']} {impl} {mode}: {t['error']}")
@@ -70,7 +93,7 @@ def accuracy_table(results: dict) -> list[str]:
     rows = [r for r in results["rows"] if r.get("accuracy")]
     if not rows:
         return []
-    impls = [i for i in results["impls"] if results["impls"][i]["available"]]
+    impls = measured(results)
     head = ["heads", "seqlens"] + [f"{i} {w}" for i in impls for w in ("o", "state")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
@@ -80,6 +103,14 @@ def accuracy_table(results: dict) -> list[str]:
             cells += [f"{acc[w]:.1e}" if w in acc else "-" for w in ("o", "state")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _impl_line(results: dict, name: str, info: dict) -> str:
+    if not info["available"]:
+        return f"{name} skipped: {info['reason']}"
+    if name not in measured(results):
+        return f"{name} ({info['version']}) failed on every row: {_first_error(results, name)}"
+    return f"{name} ({info['version']}: {info['note']})"
 
 
 def render_markdown(results: dict) -> str:
@@ -97,9 +128,8 @@ def render_markdown(results: dict) -> str:
     lines += [f"- protocol: {meta['protocol']}",
               f"- floor: max(bytes / copy bandwidth, FLOPs / matmul rate); "
               f"{meta['flops_per_token_head'] / 1e3:.0f} kFLOP per token per v-head (floor.py)",
-              "- implementations: " + "; ".join(
-                  f"{n} ({d['version']}: {d['note']})" if d["available"] else f"{n} skipped: {d['reason']}"
-                  for n, d in results["impls"].items())]
+              "- implementations: " + "; ".join(_impl_line(results, n, d) for n, d in results["impls"].items())]
+    lines += [f"- note: {note}" for note in meta.get("notes", [])]
     if meta.get("prewarm"):
         lines.append(f"- prewarm (JIT compile, parallel processes): {meta['prewarm']}")
     lines += ["", "Times are medians in ms; ratios are row time / column time (below 1 is faster). Graph "
