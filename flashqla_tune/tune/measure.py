@@ -1,0 +1,124 @@
+"""The GPU measurement the tuner injects into BatchTuner: build through the kernel cache,
+check against the float64 oracle on fresh random inputs, time by CUDA-graph replay with
+rotated inputs over the scoreboard's length mix. Needs nvcc (build) and an sm_90 GPU (the rest).
+"""
+from __future__ import annotations
+
+import math
+import os
+import secrets
+
+from .. import cache, runtime
+from ..bench.cases import SEQLENS, Case, format_seqlens
+from ..bench.inputs import make_inputs, make_rotation
+from ..bench.timing import CudaTimer, rotation_count
+from ..build import BuildError
+from ..plan import KernelPlan
+from .trial import BuildOutcome, CheckResult, Measurement
+
+CHECK_SEQLENS = (700, 1100, 37)   # a chunk tail, a multi-chunk row and a sub-chunk row
+CHECK_TOLERANCE = 1e-2            # DESIGN.md's ceiling for the relative L2 error of o and state
+ROTATION_CAP_BYTES = 8 << 30
+
+
+class CacheBuilder:
+    """Builds a batch with one cache.get_kernels call (ninja runs `jobs` nvcc at once)."""
+
+    def __init__(self, jobs: int | None = None):
+        self.jobs = jobs or max(1, os.cpu_count() or 1)
+
+    def build(self, plans: list[KernelPlan]) -> dict[str, BuildOutcome]:
+        try:
+            entries = cache.get_kernels(plans, jobs=self.jobs)
+            return {e.plan.name: BuildOutcome(handle=e) for e in entries}
+        except BuildError as exc:
+            failed = {name: text for name, _, text in exc.failures}
+        out: dict[str, BuildOutcome] = {}
+        for plan in plans:
+            if plan.name in failed:
+                out[plan.name] = BuildOutcome(error=f"compile failed: {failed[plan.name][-1500:]}")
+            else:
+                entry = cache.lookup(plan)   # the batch's other plans were published before the raise
+                out[plan.name] = BuildOutcome(handle=entry, error=None if entry else "built but not in the cache")
+        return out
+
+
+def _call(plan: KernelPlan, x, out=None, final_out=None):
+    return runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, x.initial_state, x.scale,
+                           True, False, out=out, final_out=final_out)
+
+
+def _rel(a, b) -> float:
+    ref = b.double()
+    den = ref.norm()
+    err = (a.double() - ref).norm()
+    return float(err / den) if den > 0 else float(err)
+
+
+class OracleChecker:
+    """Fresh random protocol inputs per check (a new seed each time), outputs poisoned with NaN."""
+
+    def __init__(self, tolerance: float = CHECK_TOLERANCE, device: str = "cuda"):
+        self.tolerance, self.device = tolerance, device
+
+    def check(self, plan: KernelPlan, handle) -> CheckResult:
+        import torch
+
+        from ..oracle import chunk_gated_delta_rule_chunked
+
+        spec = plan.spec
+        seed = secrets.randbelow(2**31)
+        x = make_inputs(Case(spec.num_qk_heads, spec.num_v_heads, CHECK_SEQLENS), self.device, seed=seed)
+        out = torch.full_like(x.v, float("nan"))
+        final = torch.full(x.initial_state.shape, float("nan"), dtype=torch.float32, device=x.v.device)
+        with torch.no_grad():
+            o, s = _call(plan, x, out, final)
+            torch.cuda.synchronize()
+            ref_o, ref_s = chunk_gated_delta_rule_chunked(
+                x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.initial_state,
+                output_final_state=True, cu_seqlens=x.cu_seqlens_long)
+        errors = {"o": _rel(o, ref_o), "state": _rel(s, ref_s)}
+        ok = all(math.isfinite(e) and e <= self.tolerance for e in errors.values())
+        return CheckResult(ok, errors, f"seed {seed}, tolerance {self.tolerance:g}")
+
+
+class GraphTimer:
+    """Median graph-replay time per length mix; the inputs of a mix are made once and shared by
+    every trial of the run, so configs are compared on the same data."""
+
+    def __init__(self, seqlens=SEQLENS, budget_s: float = 0.3, device: str = "cuda"):
+        self.seqlens, self.device = tuple(tuple(s) for s in seqlens), device
+        self.timer = CudaTimer(budget_s=budget_s)
+        self._sets: dict = {}
+
+    def _rotation(self, case: Case):
+        key = (case.num_qk_heads, case.num_v_heads, case.seqlens)
+        if key not in self._sets:
+            import torch
+
+            l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 0
+            probe = make_rotation(case, 1, self.device)
+            count = rotation_count(probe[0].nbytes(), l2, ROTATION_CAP_BYTES) if l2 else 1
+            cu = (probe[0].cu_seqlens, probe[0].cu_seqlens_long, probe[0].cu_seqlens_cpu)
+            self._sets[key] = probe + (make_rotation(case, count - 1, self.device, seed=1, cu=cu)
+                                       if count > 1 else [])
+        return self._sets[key]
+
+    def time(self, plan: KernelPlan, handle) -> dict[str, float]:
+        import torch
+
+        spec, times = plan.spec, {}
+        for seqlens in self.seqlens:
+            sets = self._rotation(Case(spec.num_qk_heads, spec.num_v_heads, seqlens))
+            fn = lambda x: _call(plan, x)  # noqa: E731
+            with torch.no_grad():
+                self.timer.warmup(fn, sets, rounds=1)
+                timing = self.timer.graph(fn, sets)
+            if timing.median_ms is None:
+                raise RuntimeError(f"{format_seqlens(seqlens)}: {timing.error}")
+            times[format_seqlens(seqlens)] = timing.median_ms
+        return times
+
+
+def gpu_measurement(jobs: int | None = None, seqlens=SEQLENS) -> Measurement:
+    return Measurement(CacheBuilder(jobs), OracleChecker(), GraphTimer(seqlens))

@@ -1,0 +1,43 @@
+"""The closing table of a tuning run: best configs first, each with its speedup over the
+default tiles, and why the other trials were pruned."""
+from __future__ import annotations
+
+from collections import Counter
+
+from optuna.trial import TrialState
+
+from ..plan import TileParams
+from .search_space import params_of
+from .trial import TuneResult
+
+TOP = 10
+
+
+def _tiles(params: dict) -> str:
+    return (f"bv{params['block_v']} st{params['stages']} r{params['producer_regs']}x{params['consumer_regs']} "
+            f"c{params['ctas_per_sm']}")
+
+
+def table(result: TuneResult, top: int = TOP) -> str:
+    done = sorted((t for t in result.trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
+    base = result.default.value if result.default is not None else None
+    lines = [f"study {result.study_name}: {len(result.trials)} trials "
+             f"({result.evaluated_here} evaluated by this call; stopped: {result.stopped_because})"]
+    lines.append(f"{'trial':>5}  {'tiles':<26} {'sum of medians ms':>18}  {'vs default':>10}")
+    default_params = params_of(TileParams())
+    for t in done[:top]:
+        speed = f"{base / t.value:.3f}x" if base and t.value else "n/a"
+        mark = "  (default)" if t.params == default_params else ""
+        lines.append(f"{t.number:>5}  {_tiles(t.params):<26} {t.value:>18.4f}  {speed:>10}{mark}")
+    if base is None:
+        lines.append("default tiles not measured yet: no speedup to report")
+    elif result.best is not None:
+        lines.append(f"best: trial {result.best.number} ({_tiles(result.best.params)}), "
+                     f"{result.speedup:.3f}x the default's {base:.4f} ms")
+    stages = Counter(t.user_attrs.get("stage", "?") for t in result.trials if t.state == TrialState.PRUNED)
+    if stages:
+        lines.append("pruned: " + ", ".join(f"{n} {stage}" for stage, n in sorted(stages.items())))
+    failed = sum(t.state == TrialState.FAIL for t in result.trials)
+    if failed:
+        lines.append(f"failed (uncaught errors): {failed}")
+    return "\n".join(lines)
