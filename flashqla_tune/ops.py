@@ -16,6 +16,8 @@ from .spec import GDNSpec
 SUPPORTED_QKV_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_GATE_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIM = 128
+MAX_SEQUENCES = 65535          # one grid z-slice per sequence
+MAX_TOKENS = 2**31 - 1         # TMA coordinates are 32-bit
 
 
 class UnsupportedError(ValueError):
@@ -57,6 +59,10 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, s
     elif cu_seqlens_cpu is not None:
         raise ValueError("cu_seqlens_cpu given without cu_seqlens")
     N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    if N > MAX_SEQUENCES:
+        raise UnsupportedError(f"{N} sequences in one call; the kernels take at most {MAX_SEQUENCES}")
+    if B * T > MAX_TOKENS:
+        raise UnsupportedError(f"{B * T} tokens in one call; the kernels take at most {MAX_TOKENS}")
     if initial_state is not None:
         want = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
         if tuple(initial_state.shape) != want:
@@ -112,7 +118,9 @@ def call_spec(q, v, state_v_first) -> GDNSpec:
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
                            cu_seqlens_cpu=None):
-    """Returns (o [B,T,Hv,V] in q's dtype, final_state fp32 [N,Hv,K,V] / [N,Hv,V,K] or None)."""
+    """Returns (o [B,T,Hv,V] in q's dtype, final_state fp32 [N,Hv,K,V] / [N,Hv,V,K] or None).
+
+    With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten."""
     B, T, Hqk, Hv, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
     _check_grad(q, k, v, g, beta, initial_state)
     _check_gpu(q.device)

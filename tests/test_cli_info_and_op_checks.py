@@ -60,6 +60,12 @@ def test_op_checks_state_and_varlen_shapes_before_the_device():
         chunk_gated_delta_rule(q, k, v, g, b, initial_state=torch.zeros(1, 4, 128, 64))
 
 
+def test_launch_limits_are_host_errors():
+    q, k, v, g, b = _inputs()
+    with pytest.raises(UnsupportedError, match="65536 sequences in one call; the kernels take at most 65535"):
+        chunk_gated_delta_rule(q, k, v, g, b, cu_seqlens=torch.zeros(65537, dtype=torch.int64))
+
+
 def test_cu_seqlens_cpu_values_are_checked():
     _check_offsets(torch.tensor([0, 3, 8]), 3, 8)
     with pytest.raises(ValueError, match="must start at 0"):
