@@ -1,0 +1,201 @@
+"""flashqla-tune build: checkpoint -> calibrate -> plans per TP degree -> compile -> tune -> pack.
+
+Per TP degree t the rank's head configuration is (Hqk/t, Hv/t); a GVA model also gets the
+Hqk = Hv form (Hv/t, Hv/t) for callers that repeat q/k first. Without a GPU (or with
+tune=False) the pack keeps the default tiles and says "untuned sm_90a". The pack is staged
+beside its destination and swapped in by rename; an existing pack of the same checkpoint and
+options is reused, one of another checkpoint is rebuilt.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__, cache, environment
+from .model_config import read_model_config
+from .pack import (BINARIES, CALIBRATION, NATIVE, QK_REPEATED, UNTUNED_TARGET, Manifest, PackError, PackPlan,
+                   check_binaries, check_calibration, publish, read_manifest, sha256_file, staging_dir,
+                   write_manifest)
+from .plan import KernelPlan, default_plan
+from .spec import GDNSpec
+
+
+@dataclass(frozen=True)
+class PlannedHeads:
+    tp_size: int
+    form: str
+    spec: GDNSpec
+
+
+@dataclass
+class BuildReport:
+    pack: Path
+    manifest: Manifest
+    reused: bool
+    reason: str                      # why it was rebuilt or reused
+    seconds: dict                    # per stage
+
+
+def parse_tp(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(p) for p in str(text).split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"--tp {text!r}: give comma-separated degrees, e.g. 1,2,4,8") from None
+    if not sizes or any(t < 1 for t in sizes):
+        raise ValueError(f"--tp {text!r}: degrees must be positive integers")
+    return tuple(sorted(set(sizes)))
+
+
+def plan_heads(spec: GDNSpec, tp_sizes) -> list[PlannedHeads]:
+    """Every (degree, form) a pack carries, with the rank's spec."""
+    out = []
+    for t in tp_sizes:
+        if spec.num_qk_heads % t or spec.num_v_heads % t:
+            raise ValueError(f"tensor-parallel degree {t} does not divide the model's heads "
+                             f"(Hqk={spec.num_qk_heads}, Hv={spec.num_v_heads})")
+        hqk, hv = spec.num_qk_heads // t, spec.num_v_heads // t
+        out.append(PlannedHeads(t, NATIVE, spec.with_heads(hqk, hv)))
+        if hqk != hv:
+            out.append(PlannedHeads(t, QK_REPEATED, spec.with_heads(hv, hv)))
+    return out
+
+
+def toolchain() -> dict:
+    import torch
+
+    return {"nvcc": environment.nvcc_version(), "cutlass": environment.cutlass_version(), "torch": torch.__version__}
+
+
+def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on) -> tuple[bool, str]:
+    """(reuse?, why) for an existing folder at out."""
+    if not out.exists():
+        return False, "new pack"
+    if not (out / "manifest.json").exists() and any(out.iterdir()):
+        raise PackError(f"{out} exists and is not a pack (no manifest.json); refusing to replace it")
+    try:
+        old = read_manifest(out)
+        check_binaries(out, old)
+        check_calibration(out, old)
+    except PackError as exc:
+        return False, f"existing pack unusable ({exc})"
+    if old.checkpoint_sha256 != sha:
+        return False, f"checkpoint changed (pack has {old.checkpoint_sha256[:16]}, checkpoint is {sha[:16]})"
+    if old.tool_version != __version__:
+        return False, f"pack made by flashqla-tune {old.tool_version}, this is {__version__}"
+    if tuple(old.tp_sizes) != tuple(tp_sizes):
+        return False, f"TP degrees changed ({list(old.tp_sizes)} -> {list(tp_sizes)})"
+    if old.build != options:
+        return False, f"build options changed ({old.build} -> {options})"
+    if want_tuned_on is not None and (not old.tuned or old.gpu.get("name") != want_tuned_on):
+        return False, f"pack is {old.target}; tuning for {want_tuned_on} was asked"
+    return True, f"up to date ({old.target}, checkpoint {sha[:16]})"
+
+
+def _tuning_record(result) -> dict:
+    best, default = result.best, result.default
+    return {"study": result.study_name, "trials": len(result.trials), "stopped": result.stopped_because,
+            "best_trial": None if best is None else best.number,
+            "times_ms": None if best is None else best.user_attrs.get("times_ms"),
+            "default_times_ms": None if default is None else default.user_attrs.get("times_ms"),
+            "speedup_over_default": result.speedup}
+
+
+def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: float | None = None,
+               jobs: int | None = None, force: bool = False, corpus=None, seq_len: int | None = None,
+               max_sequences: int | None = None, progress: bool = True, log=None) -> BuildReport:
+    from .calibrate.default_model import default_model_path
+    from .calibrate.hashing import checkpoint_hash
+    from .calibrate.pipeline import calibrate_checkpoint
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    ckpt = Path(checkpoint) if checkpoint is not None else default_model_path()
+    out = Path(out)
+    tp_sizes = tuple(sorted(set(tp_sizes)))
+    model = read_model_config(ckpt)
+    heads = plan_heads(model.spec, tp_sizes)
+    gpu = environment.gpu_info() if tune else None
+    if tune and gpu is None:
+        log("build: no CUDA GPU here, so the pack keeps the default tiles (untuned sm_90a)")
+    elif tune and gpu.capability != (9, 0):
+        log(f"build: {gpu.name} is {gpu.arch}, not sm_90: the pack keeps the default tiles (untuned sm_90a)")
+        gpu = None
+    options = {"corpus": None if corpus is None else str(corpus), "seq_len": seq_len, "max_sequences": max_sequences}
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    sha = checkpoint_hash(ckpt)
+    seconds["hash"] = time.perf_counter() - t0
+    if not force:
+        reuse, why = _reuse_reason(out, sha, tp_sizes, options, gpu.name if gpu else None)
+        if reuse:
+            return BuildReport(out, read_manifest(out), True, why, seconds)
+    else:
+        why = "--force"
+    log(f"build: {why}; building {out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_dir(out)
+    try:
+        t = time.perf_counter()
+        cal = calibrate_checkpoint(ckpt, corpus, out_dir=staging, seq_len=seq_len, max_sequences=max_sequences,
+                                   progress=progress).calibration
+        seconds["calibrate"] = time.perf_counter() - t
+        if cal.checkpoint_sha256 != sha:
+            raise PackError(f"{ckpt} changed while it was being calibrated ({sha[:16]} -> "
+                            f"{cal.checkpoint_sha256[:16]}); build again")
+        plans = {h: default_plan(h.spec) for h in heads}
+        t = time.perf_counter()
+        unique = list(dict.fromkeys(plans.values()))
+        cache.get_kernels(unique, jobs=jobs)
+        seconds["compile"] = time.perf_counter() - t
+        tuning: dict[KernelPlan, dict] = {}
+        if gpu is not None:
+            t = time.perf_counter()
+            plans, tuning = _tune(plans, gpu, budget_s, jobs, progress, log)
+            seconds["tune"] = time.perf_counter() - t
+        entries = {e.plan: e for e in cache.get_kernels(list(dict.fromkeys(plans.values())), jobs=jobs)}
+        (staging / BINARIES).mkdir()
+        pack_plans = []
+        for h, plan in plans.items():
+            rel = f"{BINARIES}/{plan.name}.so"
+            dest = staging / rel
+            if not dest.exists():
+                shutil.copyfile(entries[plan].so_path, dest)
+            pack_plans.append(PackPlan(h.tp_size, h.form, plan, rel, sha256_file(dest), tuning.get(plan)))
+        gpu_record = ({"name": gpu.name, "arch": gpu.arch, "driver": gpu.driver, "sm_count": gpu.sm_count}
+                      if gpu is not None else {"target": UNTUNED_TARGET, "name": None, "arch": "sm_90a"})
+        manifest = Manifest(spec=model.spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
+                            calibration_sha256=sha256_file(staging / CALIBRATION),
+                            num_gdn_layers=model.num_gdn_layers, tp_sizes=tp_sizes, gpu=gpu_record,
+                            toolchain=toolchain(), plans=tuple(pack_plans), build=options)
+        for path in staging.rglob("*"):      # a pack is shared between users and machines
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        write_manifest(staging, manifest)     # last: its presence marks a finished pack
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    seconds["total"] = time.perf_counter() - t0
+    return BuildReport(out, manifest, False, why, seconds)
+
+
+def _tune(plans: dict, gpu, budget_s, jobs, progress, log):
+    from .tune.driver import tune_spec
+    from .tune.report import table
+
+    specs = list(dict.fromkeys(p.spec for p in plans.values()))
+    share = None if budget_s is None else budget_s / len(specs)
+    best: dict[GDNSpec, tuple[KernelPlan, dict]] = {}
+    for spec in specs:
+        result = tune_spec(spec, gpu.name, budget_s=share, jobs=jobs, progress=progress)
+        log(table(result))
+        record = _tuning_record(result)
+        chosen = result.best_plan or default_plan(spec)
+        if result.best_plan is None:
+            record["note"] = "no config passed the oracle and timed: default tiles kept"
+        best[spec] = (chosen, record)
+    new_plans = {h: best[p.spec][0] for h, p in plans.items()}
+    tuning = {plan: record for plan, record in best.values()}
+    return new_plans, tuning

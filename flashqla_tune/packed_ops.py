@@ -1,0 +1,193 @@
+"""Run-time import of a kernel pack: `ops = flashqla_tune.load(PACK, tp_rank=0, tp_size=1)`.
+
+Loading reads the manifest, checks that the pack fits this GPU, checks the binaries' hashes
+and opens them with ctypes: nothing is compiled. `ops.chunk_gated_delta_rule(..., layer=i)`
+takes the op's arguments (flashqla_tune.ops, FLA's names and order), picks the pack's plan for
+the call's head configuration and layer i's calibration row (i counts the model's GDN layers
+from 0; layer=None takes the model-wide table: per head the largest n_h over the layers, -1
+when any layer chains that head exactly).
+
+Warm-up context parallelism: the warm-up tables are carried, sliced per rank and checked
+against the call's heads, but the current kernels do not read them yet: every call chains
+the state exactly (no warm-up approximation is applied). They will reach the kernels with the
+context-parallel kernels, without a change to this interface.
+
+Tensor parallelism: rank r of tp_size holds q/k heads [r*Hqk/tp, (r+1)*Hqk/tp) and v-heads
+[r*Hv/tp, (r+1)*Hv/tp), and the same slice of every calibration row.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import environment, loader, ops, runtime
+from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration, read_manifest
+from .plan import KernelPlan, kernel_spec
+
+_pack_plans: dict[str, KernelPlan] = {}
+_lock = threading.Lock()
+_AUTO = object()
+
+
+def _install(plan: KernelPlan, lib) -> None:
+    """Make runtime.forward use the pack's library for plan instead of building one.
+    (runtime keeps its libraries in a module dict; a public register hook there would be cleaner.)"""
+    with runtime._lock:
+        runtime._libraries.setdefault(plan, lib)
+    with _lock:
+        _pack_plans[plan.name] = plan
+
+
+def check_target(manifest: Manifest, gpu, pack) -> None:
+    """Refuse a pack this GPU cannot run or was not tuned on; warn on a driver change."""
+    if manifest.tuned:
+        want = f"{manifest.gpu['name']} ({manifest.gpu['arch']})"
+        if gpu is None:
+            raise PackError(f"pack {pack} is tuned for {want}; this machine has no CUDA GPU")
+        if gpu.name != manifest.gpu["name"] or gpu.arch != manifest.gpu["arch"]:
+            raise PackError(f"pack {pack} is tuned for {want}, but this GPU is {gpu.name} ({gpu.arch}); "
+                            f"rebuild the pack here (flashqla-tune build) or use an untuned one")
+        if manifest.gpu.get("driver") and gpu.driver and gpu.driver != manifest.gpu["driver"]:
+            warnings.warn(f"pack {pack} was tuned under driver {manifest.gpu['driver']}, this machine runs "
+                          f"{gpu.driver}; timings may differ (results do not)", RuntimeWarning, stacklevel=3)
+    elif gpu is not None and gpu.capability != (9, 0):
+        raise PackError(f"pack {pack} is {manifest.target} and needs an sm_90 GPU; this GPU is "
+                        f"{gpu.name} ({gpu.arch})")
+
+
+def _describe(spec) -> str:
+    return f"Hqk={spec.num_qk_heads}/Hv={spec.num_v_heads} K={spec.head_k_dim} V={spec.head_v_dim} " \
+           f"{spec.qkv_dtype} state {spec.state_layout}"
+
+
+class PackOps:
+    """The ops of one pack for one tensor-parallel rank."""
+
+    def __init__(self, pack: Path, manifest: Manifest, tp_rank: int, tp_size: int, plans: list[PackPlan],
+                 calibration, libraries: dict):
+        self.pack, self.manifest, self.tp_rank, self.tp_size = pack, manifest, tp_rank, tp_size
+        self.plans = plans
+        self.calibration = calibration
+        self.libraries = libraries
+        hv = manifest.spec.num_v_heads // tp_size
+        self.v_heads = range(tp_rank * hv, (tp_rank + 1) * hv)
+        sl = slice(self.v_heads.start, self.v_heads.stop)
+        self._layer_tables = [torch.tensor(layer.warmup_table[sl], dtype=torch.int32) for layer in calibration.layers]
+        self._model_table = torch.tensor(calibration.model_table()[sl], dtype=torch.int32)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layer_tables)
+
+    def warmup_table(self, layer: int | None = None) -> torch.Tensor:
+        """The rank's per-v-head warm-up chunk counts (-1 = exact) for a GDN layer, or the
+        model-wide table for layer=None (CPU int32; carried, not yet read by the kernels)."""
+        if layer is None:
+            return self._model_table
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer!r}: the pack's model has GDN layers 0..{self.num_layers - 1} "
+                             f"(counting GDN layers only), or pass layer=None for the model-wide table")
+        return self._layer_tables[layer]
+
+    def configurations(self) -> list[str]:
+        return [f"{_describe(p.plan.spec)} ({p.form}, tp={p.tp_size})" for p in self.plans]
+
+    def plan_for(self, q, v, state_v_first: bool) -> KernelPlan:
+        want = kernel_spec(ops.call_spec(q, v, state_v_first))
+        for p in self.plans:
+            if p.plan.spec == want:
+                return p.plan
+        raise ops.UnsupportedError(f"pack {self.pack} (rank {self.tp_rank} of {self.tp_size}) has no kernel for "
+                                   f"this call's {_describe(want)}; it has: {'; '.join(self.configurations())}")
+
+    def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
+                               cu_seqlens_cpu=None, layer: int | None = None):
+        """flashqla_tune.ops.chunk_gated_delta_rule on the pack's plan for this call's heads.
+        Returns (o [B,T,Hv,V], final_state fp32 or None)."""
+        B, T, Hqk, Hv, N = ops._check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                             state_v_first)
+        table = self.warmup_table(layer)
+        if table.numel() != Hv:
+            raise ValueError(f"call has Hv={Hv} v-heads but rank {self.tp_rank} of {self.tp_size} holds "
+                             f"{table.numel()} (v-heads {self.v_heads.start}..{self.v_heads.stop - 1} of the model's "
+                             f"{self.manifest.spec.num_v_heads})")
+        plan = self.plan_for(q, v, state_v_first)
+        ops._check_grad(q, k, v, g, beta, initial_state)
+        ops._check_gpu(q.device)
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        cu = (torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int64) if cu_seqlens is None
+              else cu_seqlens.to(torch.int64))
+        o, final = torch.ops.flashqla_tune.pack_gdn_fwd(
+            q.reshape(1, B * T, Hqk, -1), k.reshape(1, B * T, Hqk, -1), v.reshape(1, B * T, Hv, -1),
+            g.reshape(1, B * T, Hv), beta.reshape(1, B * T, Hv), cu, initial_state, float(scale),
+            bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan.name)
+        return o.reshape(B, T, Hv, -1), (final if output_final_state else None)
+
+    def __repr__(self) -> str:
+        return (f"PackOps({self.pack}, rank {self.tp_rank}/{self.tp_size}, {self.manifest.target}, "
+                f"{len(self.plans)} plan(s))")
+
+
+def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=loader.open_library) -> PackOps:
+    """Open a pack for one rank. gpu defaults to this machine's (environment.gpu_info());
+    open_library is the ctypes opener (injectable for tests)."""
+    from .calibrate.artifact import load_calibration
+    from .calibrate.errors import CalibrationError
+
+    pack = Path(pack)
+    manifest = read_manifest(pack)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size not in manifest.tp_sizes:
+        raise PackError(f"tp_size={tp_size!r}: pack {pack} was built for tensor-parallel degrees "
+                        f"{list(manifest.tp_sizes)} (flashqla-tune build --tp ...)")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise PackError(f"tp_rank={tp_rank!r} must be in 0..{tp_size - 1} for tp_size={tp_size}")
+    check_target(manifest, environment.gpu_info() if gpu is _AUTO else gpu, pack)
+    plans = [p for p in manifest.plans if p.tp_size == tp_size]
+    if not any(p.form == NATIVE for p in plans):
+        raise PackError(f"pack {pack} lists no plan of the model's own heads for tp_size={tp_size}")
+    check_binaries(pack, manifest, plans)
+    try:
+        cal = load_calibration(check_calibration(pack, manifest), checkpoint_sha256=manifest.checkpoint_sha256)
+    except CalibrationError as exc:
+        raise PackError(f"pack {pack}: {CALIBRATION}: {exc}") from exc
+    hv = manifest.spec.num_v_heads
+    if len(cal.layers) != manifest.num_gdn_layers or any(len(layer.heads) != hv for layer in cal.layers):
+        raise PackError(f"pack {pack}: the calibration has {len(cal.layers)} layers of "
+                        f"{[len(layer.heads) for layer in cal.layers]} heads; the model has "
+                        f"{manifest.num_gdn_layers} GDN layers of Hv={hv}")
+    libraries = {}
+    for p in plans:
+        try:
+            lib = open_library(pack / p.so, p.plan)
+        except loader.StaleKernelError as exc:
+            raise PackError(f"pack {pack}: {exc}") from exc
+        libraries[p.plan.name] = lib
+        _install(p.plan, lib)
+    return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries)
+
+
+@torch.library.custom_op("flashqla_tune::pack_gdn_fwd", mutates_args=())
+def _pack_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+                  output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
+                  plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # The plan travels by name so torch.compile sees only tensors and scalars.
+    plan = _pack_plans.get(plan_name)
+    if plan is None:
+        raise PackError(f"plan {plan_name} is not loaded from any pack in this process")
+    return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
+                           use_qk_l2norm)
+
+
+@_pack_gdn_fwd.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first,
+      plan_name):
+    N = cu_seqlens.shape[0] - 1
+    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+    shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+    return q.new_empty(v.shape), q.new_empty(shape if output_final_state else (0,), dtype=torch.float32)

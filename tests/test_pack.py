@@ -1,0 +1,182 @@
+"""Packs without a compiler: manifest round trip, rank slicing, plan choice and every refusal
+(pack_doubles writes FakeBinary files and FakeLibraryOpener stands in for ctypes)."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashqla_tune
+from flashqla_tune import ops
+from flashqla_tune.environment import GPUInfo
+from flashqla_tune.pack import PackError, publish, read_manifest, staging_dir
+from flashqla_tune.pack_build import _reuse_reason, parse_tp, plan_heads
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pack_doubles import H200, MODEL_SPEC, SHA, FakeLibraryOpener, edit_manifest, make_pack  # noqa: E402
+
+
+def _load(pack, rank=0, size=1, gpu=None, **kw):
+    return flashqla_tune.load(pack, rank, size, gpu=gpu, open_library=kw.pop("opener", FakeLibraryOpener()), **kw)
+
+
+def _qv(hqk, hv, dtype=torch.bfloat16, T=5):
+    return torch.zeros(1, T, hqk, 128, dtype=dtype), torch.zeros(1, T, hv, 128, dtype=dtype)
+
+
+def test_parse_tp_and_plan_heads():
+    assert parse_tp("4,1,2,2") == (1, 2, 4)
+    with pytest.raises(ValueError, match="'1,x'"):
+        parse_tp("1,x")
+    forms = [(h.tp_size, h.form, h.spec.num_qk_heads, h.spec.num_v_heads) for h in plan_heads(MODEL_SPEC, (1, 2))]
+    assert forms == [(1, "native", 2, 8), (1, "qk_repeated", 8, 8), (2, "native", 1, 4), (2, "qk_repeated", 4, 4)]
+    with pytest.raises(ValueError, match="degree 4 does not divide.*Hqk=2, Hv=8"):
+        plan_heads(MODEL_SPEC, (4,))
+    assert [h.form for h in plan_heads(MODEL_SPEC.with_heads(8, 8), (1,))] == ["native"]
+
+
+def test_round_trip_tables_and_plan_choice(tmp_path):
+    pack = make_pack(tmp_path / "p")
+    opener = FakeLibraryOpener()
+    start = time.perf_counter()
+    o = _load(pack, opener=opener)
+    assert time.perf_counter() - start < 1.0
+    m = read_manifest(pack)
+    assert not m.tuned and m.target == "untuned sm_90a" and m.checkpoint_sha256 == SHA
+    # rank 0 of 1 opened only its two plans: the model's heads and the q/k-repeated form.
+    assert sorted(p for _, p in opener.opened) == sorted(p.plan.name for p in m.plans if p.tp_size == 1)
+    assert o.plan_for(*_qv(2, 8), False).spec.num_qk_heads == 2
+    assert o.plan_for(*_qv(8, 8), False).spec.num_qk_heads == 8
+    cal = o.calibration
+    assert o.warmup_table(1).tolist() == cal.layers[1].warmup_table
+    assert cal.layers[1].warmup_table[5] == -1                 # the exact head
+    assert o.warmup_table().tolist() == cal.model_table()
+    assert o.warmup_table()[5] == -1
+    assert o.warmup_table()[0] == max(layer.warmup_table[0] for layer in cal.layers)
+    assert o.warmup_table(0).dtype == torch.int32 and o.warmup_table(0).shape == (8,)
+    for bad in (3, -1, True, "0"):
+        with pytest.raises(ValueError, match="GDN layers 0..2"):
+            o.warmup_table(bad)
+
+
+def test_tensor_parallel_rank_slices(tmp_path):
+    pack = make_pack(tmp_path / "p")
+    r1 = _load(pack, 1, 2)
+    assert list(r1.v_heads) == [4, 5, 6, 7]
+    assert r1.warmup_table(1).tolist() == r1.calibration.layers[1].warmup_table[4:]
+    assert r1.warmup_table().tolist() == r1.calibration.model_table()[4:]
+    assert r1.plan_for(*_qv(1, 4), False).spec.num_v_heads == 4
+    assert r1.plan_for(*_qv(4, 4), False).spec.num_qk_heads == 4
+    with pytest.raises(ops.UnsupportedError) as err:
+        r1.plan_for(*_qv(2, 8), False)       # the full model's heads on a rank of 2
+    text = str(err.value)
+    assert "Hqk=2/Hv=8" in text and "Hqk=1/Hv=4" in text and "Hqk=4/Hv=4" in text
+    with pytest.raises(ops.UnsupportedError, match="float16.*bfloat16"):
+        r1.plan_for(*_qv(1, 4, torch.float16), False)
+    with pytest.raises(ops.UnsupportedError, match="state vk"):
+        r1.plan_for(*_qv(1, 4), True)
+
+
+def test_call_checks_before_the_gpu(tmp_path):
+    o = _load(make_pack(tmp_path / "p"))
+    q, v = _qv(2, 8)
+    g = torch.zeros(1, 5, 8)
+    with pytest.raises(ValueError, match="CUDA device"):
+        o.chunk_gated_delta_rule(q, q, v, g, g)
+    with pytest.raises(ValueError, match="v heads Hv=8 must be a multiple"):
+        o.chunk_gated_delta_rule(*_qv(3, 8)[:1], *_qv(3, 8)[:1], v, g, g)
+
+
+def test_tp_and_rank_refusals(tmp_path):
+    pack = make_pack(tmp_path / "p")
+    with pytest.raises(PackError, match=r"tp_size=4.*\[1, 2\]"):
+        _load(pack, 0, 4)
+    with pytest.raises(PackError, match="tp_rank=2 must be in 0..1"):
+        _load(pack, 2, 2)
+
+
+def test_gpu_checks(tmp_path):
+    untuned = make_pack(tmp_path / "u")
+    _load(untuned, gpu=None)
+    _load(untuned, gpu=GPUInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, "550"))
+    with pytest.raises(PackError, match=r"untuned sm_90a.*NVIDIA A100.*sm_80"):
+        _load(untuned, gpu=GPUInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, "550"))
+    tuned = make_pack(tmp_path / "t", gpu=H200)
+    assert read_manifest(tuned).tuned
+    _load(tuned, gpu=H200)
+    with pytest.raises(PackError, match=r"tuned for NVIDIA H200 \(sm_90\).*this GPU is NVIDIA H100 80GB HBM3 \(sm_90\)"):
+        _load(tuned, gpu=GPUInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, H200.driver))
+    with pytest.raises(PackError, match="tuned for NVIDIA H200.*no CUDA GPU"):
+        _load(tuned, gpu=None)
+    with pytest.warns(RuntimeWarning, match="driver 570.86.15.*580.1"):
+        _load(tuned, gpu=dataclasses.replace(H200, driver="580.1"))
+
+
+def test_damaged_packs_are_clear_errors(tmp_path):
+    with pytest.raises(PackError, match="no pack folder"):
+        _load(tmp_path / "missing")
+    pack = make_pack(tmp_path / "p")
+    so = next((pack / "binaries").iterdir())
+    so.write_bytes(b"tampered")
+    with pytest.raises(PackError, match=f"{so.name} does not match its recorded sha256"):
+        _load(pack)
+    so.unlink()
+    with pytest.raises(PackError, match=f"lacks binary binaries/{so.name}"):
+        _load(pack)
+
+    pack = make_pack(tmp_path / "c")
+    (pack / "calibration.json").write_text((pack / "calibration.json").read_text().replace('"n_h"', '"n_h" '))
+    with pytest.raises(PackError, match="calibration.json does not match"):
+        _load(pack)
+
+    pack = make_pack(tmp_path / "v")
+    edit_manifest(pack, lambda d: d.update(schema_version=99))
+    with pytest.raises(PackError, match="schema version 99"):
+        _load(pack)
+    edit_manifest(pack, lambda d: d.update(schema_version=1, plans=[{"form": "native"}]))
+    with pytest.raises(PackError, match="damaged pack manifest: KeyError"):
+        _load(pack)
+    edit_manifest(pack, lambda d: d.update(gpu={"name": "NVIDIA H200"}))
+    with pytest.raises(PackError, match="must record its GPU name and arch"):
+        _load(pack)
+    (pack / "manifest.json").write_text("{not json")
+    with pytest.raises(PackError, match="manifest.json is damaged"):
+        _load(pack)
+    (pack / "manifest.json").unlink()
+    with pytest.raises(PackError, match="has no manifest.json"):
+        _load(pack)
+
+
+def test_publish_swaps_whole_folders(tmp_path):
+    out = tmp_path / "pack"
+    first = staging_dir(out)
+    (first / "a").write_text("1")
+    publish(first, out)
+    second = staging_dir(out)
+    (second / "b").write_text("2")
+    publish(second, out)
+    assert sorted(p.name for p in out.iterdir()) == ["b"]
+    assert [p.name for p in tmp_path.iterdir()] == ["pack"]    # no staging or old folder left
+
+
+def test_reuse_only_for_the_same_checkpoint_and_options(tmp_path):
+    pack = make_pack(tmp_path / "p")
+    options = {}
+    reuse, why = _reuse_reason(pack, SHA, (1, 2), options, None)
+    assert reuse and "up to date" in why
+    reuse, why = _reuse_reason(pack, "cd" * 32, (1, 2), options, None)
+    assert not reuse and "checkpoint changed" in why and "cdcdcdcd" in why
+    assert "TP degrees changed" in _reuse_reason(pack, SHA, (1,), options, None)[1]
+    assert "build options changed" in _reuse_reason(pack, SHA, (1, 2), {"corpus": "x"}, None)[1]
+    assert "tuning for NVIDIA H200 was asked" in _reuse_reason(pack, SHA, (1, 2), options, "NVIDIA H200")[1]
+    next((pack / "binaries").iterdir()).write_bytes(b"x")
+    assert "existing pack unusable" in _reuse_reason(pack, SHA, (1, 2), options, None)[1]
+    other = tmp_path / "notapack"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep")
+    with pytest.raises(PackError, match="not a pack"):
+        _reuse_reason(other, SHA, (1,), options, None)

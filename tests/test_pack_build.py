@@ -1,0 +1,68 @@
+"""`flashqla-tune build --no-tune` end to end on the embedded default model (CPU, nvcc): calibrate,
+compile four plans (TP 1 and 2, each with the q/k-repeated form), write the pack, reuse it when
+nothing changed, rebuild it for a changed checkpoint, and load it with the real ctypes opener."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import flashqla_tune
+from flashqla_tune.calibrate.default_model import default_model_path
+from flashqla_tune.cli import main
+from flashqla_tune.pack import read_manifest
+
+pytestmark = pytest.mark.slow
+SMALL = ["--max-sequences", "4", "--seq-len", "512", "--no-progress"]
+
+
+def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("cutlass_library")
+    if shutil.which("nvcc") is None:
+        from flashqla_tune.environment import ToolchainError, find_nvcc
+        try:
+            find_nvcc()
+        except ToolchainError:
+            pytest.skip("needs nvcc")
+    monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(tmp_path / "cache"))
+    pack = tmp_path / "pack"
+    assert main(["build", str(default_model_path()), "--out", str(pack), "--tp", "1,2", "--no-tune", *SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "untuned sm_90a pack" in out
+    m = read_manifest(pack)
+    assert not m.tuned and m.gpu["arch"] == "sm_90a" and m.tp_sizes == (1, 2)
+    assert sorted((p.tp_size, p.form, p.heads) for p in m.plans) == [
+        (1, "native", (2, 8)), (1, "qk_repeated", (8, 8)), (2, "native", (1, 4)), (2, "qk_repeated", (4, 4))]
+    assert all((pack / p.so).is_file() and p.tuning is None for p in m.plans)
+    data = json.loads((pack / "manifest.json").read_text())
+    assert data["toolchain"]["nvcc"] and data["toolchain"]["cutlass"] and data["calibration"]["sha256"]
+    cal = json.loads((pack / "calibration.json").read_text())
+    assert cal["checkpoint"]["sha256"] == m.checkpoint_sha256
+
+    # Unchanged checkpoint and options: reused, not rebuilt.
+    before = (pack / "manifest.json").stat().st_mtime_ns
+    assert main(["build", str(default_model_path()), "--out", str(pack), "--tp", "1,2", "--no-tune", *SMALL]) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert (pack / "manifest.json").stat().st_mtime_ns == before
+
+    # The real loader opens the pack's libraries with ctypes (no GPU needed to open them).
+    ops = flashqla_tune.load(pack, tp_rank=1, tp_size=2)
+    assert sorted(lib.plan.name for lib in ops.libraries.values()) == sorted(
+        p.plan.name for p in m.plans if p.tp_size == 2)
+    assert ops.warmup_table().tolist() == cal["model_table"][4:]
+
+    # A changed checkpoint at the same --out: rebuilt, with the new hash (binaries come from the cache).
+    changed = tmp_path / "changed_model"
+    shutil.copytree(default_model_path(), changed)
+    weights = load_file(changed / "model.safetensors")
+    name = next(n for n in sorted(weights) if n.endswith("A_log"))
+    weights[name] = weights[name] * 1.5
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    assert main(["build", str(changed), "--out", str(pack), "--tp", "1,2", "--no-tune", *SMALL]) == 0
+    assert "checkpoint changed" in capsys.readouterr().err
+    m2 = read_manifest(pack)
+    assert m2.checkpoint_sha256 != m.checkpoint_sha256 and m2.checkpoint_path == str(changed.resolve())
+    assert [p.so_sha256 for p in m2.plans] == [p.so_sha256 for p in m.plans]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".pack.")]
