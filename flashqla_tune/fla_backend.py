@@ -1,0 +1,131 @@
+"""A kernel pack as a backend of FLA's chunk_gated_delta_rule: `flashqla_tune.register_fla_backend(PACK)`.
+
+FLA's registry (fla.backends, fla-core >= 0.6) keeps per-op backends sorted by priority,
+lowest first; FlashQLA's is 3, ours defaults to 2 so the pack is asked first. For each call
+FLA runs `chunk_gated_delta_rule_verifier`; a refusal (with its reason, which FLA logs) sends
+the call on to the next backend or FLA's Triton kernels. FLA calls carry no layer index, so
+the pack runs with its model-wide warm-up table (per head the largest n_h over layers); and
+like every pack call today, the kernels chain the state exactly (see flashqla_tune.packed_ops).
+fla is imported only when registering.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops as op_checks
+
+OP_NAME = "gated_delta_rule"
+BACKEND_TYPE = "flashqla_tune"
+ENV_VAR = "FLA_FLASHQLA_TUNE"          # =0 disables the backend, as FLA's own switches do
+DEFAULT_PRIORITY = 2                   # ahead of FlashQLA (3)
+_IGNORED_KWARGS = ("chunk_indices",)   # FLA's chunk metadata; our kernels derive their own
+
+
+def cuda_arch(t: torch.Tensor) -> tuple[int, int] | None:
+    """The compute capability of the tensor's GPU, None for a tensor off the GPU."""
+    if t.device.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(t.device)
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, *,
+                device_arch=cuda_arch, **kwargs) -> tuple[bool, str | None]:
+    """(True, None) when the pack can run this FLA call, else (False, why). Cheap, no side effects."""
+    if kwargs.get("use_gate_in_kernel"):
+        return False, "flashqla_tune packs take a precomputed g; use_gate_in_kernel comes with the porting work"
+    if use_beta_sigmoid_in_kernel:
+        return False, "flashqla_tune packs take beta as given; use_beta_sigmoid_in_kernel is not supported"
+    if allow_neg_eigval:
+        return False, "flashqla_tune packs need beta in [0, 2]; allow_neg_eigval is not supported"
+    if cp_context is not None:
+        return False, "flashqla_tune packs do not run FLA's inter-card context parallelism (cp_context)"
+    if "transpose_state_layout" in kwargs:
+        return False, "flashqla_tune packs do not take the deprecated transpose_state_layout (use state_v_first)"
+    unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS) - {"use_gate_in_kernel"})
+    if unknown:
+        return False, f"flashqla_tune packs do not know the argument(s) {unknown}"
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, g, beta)):
+        return False, "q, k, v, g, beta must be tensors"
+    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4:
+        return False, f"q, k, v must be [B,T,H,D] with q and k alike; got {tuple(q.shape)}, {tuple(k.shape)}, " \
+                      f"{tuple(v.shape)}"
+    if q.dtype not in op_checks.SUPPORTED_QKV_DTYPES or not q.dtype == k.dtype == v.dtype:
+        return False, f"flashqla_tune needs q, k, v in one of bfloat16/float16; got {q.dtype}, {k.dtype}, {v.dtype}"
+    if q.shape[-1] != 128 or v.shape[-1] != 128:
+        return False, f"flashqla_tune kernels need K = V = 128; got K={q.shape[-1]}, V={v.shape[-1]}"
+    Hv = v.shape[2]
+    if g.dim() != 3 or tuple(g.shape) != (*v.shape[:2], Hv) or tuple(beta.shape) != tuple(g.shape):
+        return False, f"g and beta must be [B,T,Hv] (scalar gate); got g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+    if g.dtype not in op_checks.SUPPORTED_GATE_DTYPES or beta.dtype not in op_checks.SUPPORTED_GATE_DTYPES:
+        return False, f"g and beta must be float32 or bfloat16; got {g.dtype}, {beta.dtype}"
+    if _needs_grad(q, k, v, g, beta, initial_state):
+        return False, "flashqla_tune implements the forward only, and an input requires grad"
+    arch = device_arch(q)
+    if arch != (9, 0):
+        where = "not on a CUDA GPU" if arch is None else f"on sm_{arch[0]}{arch[1]}"
+        return False, f"flashqla_tune kernels run on sm_90 (H100/H200); the inputs are {where}"
+    try:
+        pack_ops.plan_for(q, v, state_v_first)
+    except op_checks.UnsupportedError as exc:
+        return False, str(exc)
+    rank_hv = pack_ops.warmup_table(None).numel()
+    if Hv != rank_hv:
+        return False, f"call has Hv={Hv}; this pack's rank holds {rank_hv} v-heads"
+    return True, None
+
+
+def backend_class(pack_ops, base: type, priority: int = DEFAULT_PRIORITY, device_arch=cuda_arch) -> type:
+    """A subclass of FLA's BaseBackend bound to one loaded pack (FLA instantiates it without
+    arguments, so the pack travels as a class attribute)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority={priority!r} must be an int (lower runs first; FlashQLA's is 3)")
+
+    class FlashQLATuneBackend(base):
+        backend_type = BACKEND_TYPE
+        package_name = None
+        env_var = ENV_VAR
+        default_enable = True
+
+        def chunk_gated_delta_rule_verifier(self, *args, **kwargs):
+            return verify_call(self.pack_ops, *args, device_arch=self._device_arch, **kwargs)
+
+        def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                   allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
+                                   cu_seqlens_cpu=None, cp_context=None, **kwargs):
+            # Verified already: the refused flags are False here. No layer index from FLA.
+            return self.pack_ops.chunk_gated_delta_rule(
+                q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
+                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layer=None)
+
+    FlashQLATuneBackend.priority = priority
+    FlashQLATuneBackend.pack_ops = pack_ops
+    FlashQLATuneBackend._device_arch = staticmethod(device_arch)
+    return FlashQLATuneBackend
+
+
+def register_fla_backend(pack, tp_rank: int = 0, tp_size: int = 1, *, priority: int = DEFAULT_PRIORITY,
+                         fla_backends=None, pack_ops=None, device_arch=cuda_arch):
+    """Load the pack (unless pack_ops is given) and register it with FLA's gated_delta_rule
+    registry; returns the backend class. fla_backends defaults to the `fla.backends` module
+    (fla-core >= 0.6); registering again replaces the earlier pack (same backend_type)."""
+    if fla_backends is None:
+        try:
+            import fla.backends as fla_backends
+        except ImportError as exc:
+            raise ImportError(f"register_fla_backend needs FLA's backend registry (fla-core >= 0.6, which "
+                              f"needs triton): {exc}") from exc
+    if pack_ops is None:
+        from .packed_ops import load
+
+        pack_ops = load(pack, tp_rank, tp_size)
+    cls = backend_class(pack_ops, fla_backends.BaseBackend, priority, device_arch)
+    fla_backends.register(OP_NAME)(cls)
+    return cls

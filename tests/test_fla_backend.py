@@ -1,0 +1,117 @@
+"""The FLA backend on the CPU: the verifier's refusals with reasons, and dispatch through a
+stand-in of FLA's registry (fla_doubles) ahead of a FakeFlashQLABackend. The pack is a
+pack_doubles pack; FakeHopper stands in for an sm_90 device check."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashqla_tune
+from flashqla_tune.fla_backend import BACKEND_TYPE, ENV_VAR, backend_class, verify_call
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fla_doubles import FakeFlashQLABackend, make_fake_fla_backends  # noqa: E402
+from pack_doubles import FakeLibraryOpener, make_pack  # noqa: E402
+
+
+def FakeHopper(t):   # noqa: N802 - a test double for fla_backend.cuda_arch
+    return (9, 0)
+
+
+@pytest.fixture
+def pack_ops(tmp_path):
+    return flashqla_tune.load(make_pack(tmp_path / "p"), gpu=None, open_library=FakeLibraryOpener())
+
+
+def args(hqk=2, hv=8, T=6, dtype=torch.bfloat16, K=128, V=128):
+    q = torch.zeros(1, T, hqk, K, dtype=dtype)
+    return [q, q.clone(), torch.zeros(1, T, hv, V, dtype=dtype), torch.zeros(1, T, hv), torch.zeros(1, T, hv)]
+
+
+def test_verifier_accepts_what_the_pack_runs(pack_ops):
+    assert verify_call(pack_ops, *args(), use_qk_l2norm_in_kernel=True, device_arch=FakeHopper) == (True, None)
+    assert verify_call(pack_ops, *args(8, 8), output_final_state=True, device_arch=FakeHopper,
+                       chunk_indices=torch.zeros(3)) == (True, None)
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda: (args(), {"use_gate_in_kernel": True}), "use_gate_in_kernel"),
+    (lambda: (args(), {"use_beta_sigmoid_in_kernel": True}), "use_beta_sigmoid_in_kernel"),
+    (lambda: (args(), {"allow_neg_eigval": True}), "allow_neg_eigval"),
+    (lambda: (args(), {"cp_context": object()}), "cp_context"),
+    (lambda: (args(), {"transpose_state_layout": True}), "transpose_state_layout"),
+    (lambda: (args(), {"head_first": False}), "['head_first']"),
+    (lambda: (args(dtype=torch.float32), {}), "torch.float32"),
+    (lambda: (args(K=64), {}), "K=64"),
+    (lambda: (args(V=256), {}), "V=256"),
+    (lambda: (args(4, 16), {}), "Hqk=4/Hv=16"),                         # heads the pack lacks
+    (lambda: (args(dtype=torch.float16), {}), "float16"),                # dtype the pack lacks
+    (lambda: (args(), {"state_v_first": True}), "state vk"),
+])
+def test_verifier_refuses_with_a_reason(pack_ops, call, reason):
+    a, kw = call()
+    ok, why = verify_call(pack_ops, *a, device_arch=FakeHopper, **kw)
+    assert not ok and reason in why
+
+
+def test_verifier_refuses_grad_and_other_devices(pack_ops):
+    a = args()
+    a[2].requires_grad_(True)
+    ok, why = verify_call(pack_ops, *a, device_arch=FakeHopper)
+    assert not ok and "requires grad" in why
+    with torch.no_grad():
+        assert verify_call(pack_ops, *a, device_arch=FakeHopper)[0]
+    ok, why = verify_call(pack_ops, *args())          # the real device check: CPU tensors
+    assert not ok and "not on a CUDA GPU" in why
+    ok, why = verify_call(pack_ops, *args(), device_arch=lambda t: (10, 0))
+    assert not ok and "sm_100" in why
+
+
+def test_dispatch_through_the_registry_ahead_of_flashqla(pack_ops, monkeypatch):
+    fla = make_fake_fla_backends()
+    fla.register("gated_delta_rule")(FakeFlashQLABackend)
+    cls = flashqla_tune.register_fla_backend(None, fla_backends=fla, pack_ops=pack_ops, device_arch=FakeHopper)
+    assert issubclass(cls, fla.BaseBackend) and cls.priority < FakeFlashQLABackend.priority
+    assert cls.backend_type == BACKEND_TYPE
+    seen = {}
+
+    def spy(*a, **kw):   # the kernels need a GPU: record what the backend passes on
+        seen.update(kw)
+        return "pack result"
+
+    monkeypatch.setattr(pack_ops, "chunk_gated_delta_rule", spy)
+
+    def chunk_gated_delta_rule(*a, **kw):   # FLA's Triton function, the last fallback
+        return "FLA triton result"
+
+    fla_fn = fla.dispatch("gated_delta_rule", chunk_gated_delta_rule)
+    assert fla_fn(*args(), use_qk_l2norm_in_kernel=True) == "pack result"
+    assert seen["layer"] is None and seen["use_qk_l2norm_in_kernel"] is True
+    # A refused call goes on to the next backend, and FLA logs our reason.
+    assert fla_fn(*args(), use_gate_in_kernel=True) == "FakeFlashQLA result"
+    assert fla.log[-2] == (BACKEND_TYPE, "reject", fla.log[-2][2]) and "use_gate_in_kernel" in fla.log[-2][2]
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert fla_fn(*args()) == "FakeFlashQLA result"
+
+
+def test_register_without_fla_says_what_is_missing(pack_ops):
+    try:
+        import fla.backends  # noqa: F401
+        pytest.skip("fla is importable here; the real registry is tested below")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="fla-core >= 0.6"):
+        flashqla_tune.register_fla_backend(None, pack_ops=pack_ops)
+    with pytest.raises(ValueError, match="priority='2'"):
+        backend_class(pack_ops, object, priority="2")
+
+
+def test_real_fla_registry(pack_ops):
+    backends = pytest.importorskip("fla.backends")
+    cls = flashqla_tune.register_fla_backend(None, pack_ops=pack_ops)
+    registry = backends._get_operation_registry("gated_delta_rule")
+    assert isinstance(registry._backends[BACKEND_TYPE], cls)
+    assert registry._get_sorted_backends()[0].backend_type in (BACKEND_TYPE, "triton_ascend")
