@@ -149,3 +149,18 @@ def test_cli_tune_refuses_without_a_gpu(capsys, monkeypatch, tmp_path):
     assert "no CUDA GPU" in err and "--no-tune" in err
     assert main(["tune", "--hqk", "8", "--hv", "8", "--budget", "0"]) == 2
     assert "--budget=0.0 must be positive" in capsys.readouterr().err
+
+
+def test_an_interrupted_batch_leaves_no_running_trials(tmp_path):
+    class InterruptingBuilder:
+        def build(self, plans):
+            raise KeyboardInterrupt
+
+    m = synthetic_measurement()
+    m.builder = InterruptingBuilder()
+    tuner, _ = _tuner(tmp_path, measurement=m, max_trials=4)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run()
+    trials = open_study(SPEC, GPU, tmp_path).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == TrialState.RUNNING]
+    assert [t.user_attrs["stage"] for t in trials if t.state == TrialState.FAIL] == ["interrupted"] * 2

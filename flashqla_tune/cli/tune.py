@@ -13,7 +13,8 @@ def add_parser(sub):
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="q/k/v dtype")
     p.add_argument("--state-layout", choices=("kv", "vk"), default="kv", help="kv: [N,Hv,K,V]; vk: [N,Hv,V,K]")
     p.add_argument("--qk-l2norm", action="store_true", help="(kept for spec parity; the binary is the same)")
-    p.add_argument("--budget", type=float, help="seconds per spec; checked between build batches")
+    p.add_argument("--budget", type=float, default=600.0,
+                   help="seconds per spec, checked between build batches (default 600)")
     p.add_argument("--trials", type=int, help="at most this many configs built and measured per spec and call")
     p.add_argument("--jobs", type=int, help="parallel nvcc processes = trials per build batch (default: cores)")
     p.add_argument("--seed", type=int, help="sampler seed (reproducible only for a lone worker)")

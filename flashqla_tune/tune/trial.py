@@ -224,16 +224,25 @@ class BatchTuner:
                     stopped = f"time budget ({self.budget_s:g} s)"
                     break
                 batch, dry = self._draw_batch()
-                if batch:
-                    outcomes = self.m.builder.build([plan for _, plan in batch])
+                pending = [trial for trial, _ in batch]
+                try:
+                    outcomes = self.m.builder.build([plan for _, plan in batch]) if batch else {}
                     for trial, plan in batch:
                         self._evaluate(trial, plan, outcomes.get(plan.name))
+                        pending.remove(trial)
                         self.evaluated += 1
                         if bar is not None:
                             bar.update(1)
                             best = self._best()
                             if best is not None:
                                 bar.set_postfix(best_ms=f"{best.value:.3f}")
+                except BaseException:
+                    # Interrupted (Ctrl-C, a crashed builder): close the batch's open trials as
+                    # FAIL so they do not stay RUNNING in the shared journal; a rerun samples anew.
+                    for trial in pending:
+                        trial.set_user_attr("stage", "interrupted")
+                        self.study.tell(trial, state=TrialState.FAIL)
+                    raise
                 if dry and not batch:
                     stopped = f"search space exhausted ({MAX_DRAWS_PER_BATCH} draws gave no new valid config)"
                     break
