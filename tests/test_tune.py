@@ -164,3 +164,16 @@ def test_an_interrupted_batch_leaves_no_running_trials(tmp_path):
     trials = open_study(SPEC, GPU, tmp_path).get_trials(deepcopy=False)
     assert not [t for t in trials if t.state == TrialState.RUNNING]
     assert [t.user_attrs["stage"] for t in trials if t.state == TrialState.FAIL] == ["interrupted"] * 2
+
+
+def test_pack_tuning_record_from_a_result(tmp_path):
+    from flashqla_tune.pack_build import _tuning_record
+
+    tuner, _ = _tuner(tmp_path, max_trials=8)
+    res = tuner.run()
+    rec = _tuning_record(res)
+    assert rec["best_trial"] == res.best.number and rec["study"] == res.study_name
+    assert rec["times_ms"] == res.best.user_attrs["times_ms"]
+    assert rec["default_times_ms"] == res.default.user_attrs["times_ms"]
+    assert rec["speedup_over_default"] == pytest.approx(res.speedup) and rec["speedup_over_default"] >= 1.0
+    assert res.best_plan.tiles == tiles_from_params(res.best.params)
