@@ -24,7 +24,8 @@ class UnsupportedError(ValueError):
     """The call asks for something the compiled kernels do not implement."""
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
+def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    """Host-side checks of a call (no GPU synchronisation); returns (B, T, Hqk, Hv, N)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -94,14 +95,14 @@ def _check_offsets(cu_cpu, expected_len, total_tokens):
         raise ValueError(f"cu_seqlens ends at {values[-1]} but the inputs hold only T={total_tokens} tokens")
 
 
-def _check_grad(*tensors):
+def check_grad(*tensors):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
             "flashqla_tune's GDN backward does not exist yet: call under torch.no_grad() or "
             "detach the inputs (an autograd graph through this op could not be differentiated)")
 
 
-def _check_gpu(device):
+def check_gpu(device):
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         name = torch.cuda.get_device_name(device)
@@ -121,9 +122,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """Returns (o [B,T,Hv,V] in q's dtype, final_state fp32 [N,Hv,K,V] / [N,Hv,V,K] or None).
 
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten."""
-    B, T, Hqk, Hv, N = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
-    _check_grad(q, k, v, g, beta, initial_state)
-    _check_gpu(q.device)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
+    return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       state_v_first, cu_seqlens, plan_name="")
+
+
+def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                state_v_first, cu_seqlens, plan_name: str):
+    """The op after check_inputs: pack the batch as varlen and call the custom op. plan_name ""
+    runs the default plan for the call's heads; otherwise a plan registered by a kernel pack."""
+    B, T, Hqk = q.shape[:3]
+    Hv = v.shape[2]
+    check_grad(q, k, v, g, beta, initial_state)
+    check_gpu(q.device)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if cu_seqlens is None:
@@ -134,22 +145,25 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     o, final = torch.ops.flashqla_tune.gdn_fwd(
         q.reshape(1, B * T, Hqk, -1), k.reshape(1, B * T, Hqk, -1), v.reshape(1, B * T, Hv, -1),
         g.reshape(1, B * T, Hv), beta.reshape(1, B * T, Hv), cu, initial_state, float(scale),
-        bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(state_v_first))
+        bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name)
     return o.reshape(B, T, Hv, -1), (final if output_final_state else None)
 
 
 @torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())
 def _gdn_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
-                output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # The plan is picked here, not in the Python wrapper, so torch.compile only sees tensors.
-    plan = runtime.default_plan_for(call_spec(q, v, state_v_first))
+                output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
+                plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # The plan is picked here, not in the Python wrapper, so torch.compile only sees tensors,
+    # scalars and a string.
+    plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
     return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
                            use_qk_l2norm)
 
 
 @_gdn_fwd_op.register_fake
-def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first):
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first,
+      plan_name):
     N = cu_seqlens.shape[0] - 1
     Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
     o = q.new_empty(v.shape)

@@ -17,7 +17,6 @@ Tensor parallelism: rank r of tp_size holds q/k heads [r*Hqk/tp, (r+1)*Hqk/tp) a
 """
 from __future__ import annotations
 
-import threading
 import warnings
 from pathlib import Path
 
@@ -27,18 +26,7 @@ from . import environment, loader, ops, runtime
 from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration, read_manifest
 from .plan import KernelPlan, kernel_spec
 
-_pack_plans: dict[str, KernelPlan] = {}
-_lock = threading.Lock()
 _AUTO = object()
-
-
-def _install(plan: KernelPlan, lib) -> None:
-    """Make runtime.forward use the pack's library for plan instead of building one.
-    (runtime keeps its libraries in a module dict; a public register hook there would be cleaner.)"""
-    with runtime._lock:
-        runtime._libraries.setdefault(plan, lib)
-    with _lock:
-        _pack_plans[plan.name] = plan
 
 
 def check_target(manifest: Manifest, gpu, pack) -> None:
@@ -108,25 +96,15 @@ class PackOps:
                                cu_seqlens_cpu=None, layer: int | None = None):
         """flashqla_tune.ops.chunk_gated_delta_rule on the pack's plan for this call's heads.
         Returns (o [B,T,Hv,V], final_state fp32 or None)."""
-        B, T, Hqk, Hv, N = ops._check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                             state_v_first)
+        Hv = ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
         table = self.warmup_table(layer)
         if table.numel() != Hv:
             raise ValueError(f"call has Hv={Hv} v-heads but rank {self.tp_rank} of {self.tp_size} holds "
                              f"{table.numel()} (v-heads {self.v_heads.start}..{self.v_heads.stop - 1} of the model's "
                              f"{self.manifest.spec.num_v_heads})")
         plan = self.plan_for(q, v, state_v_first)
-        ops._check_grad(q, k, v, g, beta, initial_state)
-        ops._check_gpu(q.device)
-        if scale is None:
-            scale = q.shape[-1] ** -0.5
-        cu = (torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int64) if cu_seqlens is None
-              else cu_seqlens.to(torch.int64))
-        o, final = torch.ops.flashqla_tune.pack_gdn_fwd(
-            q.reshape(1, B * T, Hqk, -1), k.reshape(1, B * T, Hqk, -1), v.reshape(1, B * T, Hv, -1),
-            g.reshape(1, B * T, Hv), beta.reshape(1, B * T, Hv), cu, initial_state, float(scale),
-            bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan.name)
-        return o.reshape(B, T, Hv, -1), (final if output_final_state else None)
+        return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                               state_v_first, cu_seqlens, plan_name=plan.name)
 
     def __repr__(self) -> str:
         return (f"PackOps({self.pack}, rank {self.tp_rank}/{self.tp_size}, {self.manifest.target}, "
@@ -167,27 +145,5 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
         except loader.StaleKernelError as exc:
             raise PackError(f"pack {pack}: {exc}") from exc
         libraries[p.plan.name] = lib
-        _install(p.plan, lib)
+        runtime.register_library(p.plan, lib)
     return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries)
-
-
-@torch.library.custom_op("flashqla_tune::pack_gdn_fwd", mutates_args=())
-def _pack_gdn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
-                  output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
-                  plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    # The plan travels by name so torch.compile sees only tensors and scalars.
-    plan = _pack_plans.get(plan_name)
-    if plan is None:
-        raise PackError(f"plan {plan_name} is not loaded from any pack in this process")
-    return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
-                           use_qk_l2norm)
-
-
-@_pack_gdn_fwd.register_fake
-def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first,
-      plan_name):
-    N = cu_seqlens.shape[0] - 1
-    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-    shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
-    return q.new_empty(v.shape), q.new_empty(shape if output_final_state else (0,), dtype=torch.float32)

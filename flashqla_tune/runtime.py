@@ -15,11 +15,27 @@ from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
 
 _libraries: dict[KernelPlan, object] = {}
+_registered: dict[str, KernelPlan] = {}  # plans with a library from a pack, by name
 _lock = threading.Lock()
 
 
 def default_plan_for(spec: GDNSpec) -> KernelPlan:
     return default_plan(spec)
+
+
+def register_library(plan: KernelPlan, lib) -> None:
+    """Use an already opened library (e.g. from a kernel pack) for plan, so nothing is built, and
+    make the plan findable by name for the op (plan_by_name)."""
+    with _lock:
+        _libraries.setdefault(plan, lib)
+        _registered[plan.name] = plan
+
+
+def plan_by_name(name: str) -> KernelPlan:
+    try:
+        return _registered[name]
+    except KeyError:
+        raise KeyError(f"plan {name} is not loaded from any pack in this process") from None
 
 
 def library(plan: KernelPlan):

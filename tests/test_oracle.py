@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gdn_inputs import make_inputs, rel_l2
 from flashqla_tune.oracle import (
