@@ -14,23 +14,15 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..environment import cache_dir
+from ..files import sha256_file
 from .atomic import atomic_write_text
 from .errors import CalibrationError
 
 WEIGHT_SUFFIXES = (".safetensors",)
-_BLOCK = 1 << 22
 
 
 def _cache_file() -> Path:
     return cache_dir() / "calibrate" / "file_hashes.json"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(_BLOCK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def checkpoint_files(checkpoint: str | Path) -> list[Path]:
@@ -68,7 +60,7 @@ class HashCache:
             self.hits += 1
             return entry["sha256"]
         self.misses += 1
-        sha = file_sha256(file)
+        sha = sha256_file(file)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.path) + ".lock"):
             data = self._read()

@@ -26,6 +26,7 @@ from . import environment
 from .build import BuildConfig, BuildError, BuildJob, build, host_compiler_version, nvcc_version_text
 from .plan import KernelPlan
 from .render import ABI_VERSION, Renderer
+from .files import sha256_file
 
 MANIFEST = "manifest.json"
 KEY_FORMAT = 1          # bump when the key's recipe or the entry layout changes
@@ -42,14 +43,6 @@ class CacheError(RuntimeError):
 def kernels_dir(root: Path | None = None) -> Path:
     """<cache>/kernels, the folder of built entries (FLASHQLA_TUNE_CACHE moves <cache>)."""
     return Path(root) if root is not None else environment.cache_dir() / "kernels"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def included_headers(source: str, csrc: Path) -> list[Path]:

@@ -10,7 +10,6 @@ folder; pack_build makes one, packed_ops runs one.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .files import sha256_file
 from .plan import KernelPlan, PlanError
 from .spec import GDNSpec, SpecError
 
@@ -34,14 +34,6 @@ NATIVE, QK_REPEATED = "native", "qk_repeated"   # a plan's head form: the model'
 
 class PackError(RuntimeError):
     """A pack folder is missing, damaged, or does not fit this machine or call."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

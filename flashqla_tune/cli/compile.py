@@ -10,14 +10,19 @@ from ..plan import default_plan
 from ..spec import GDNSpec
 
 
-def add_parser(sub):
-    p = sub.add_parser("compile", help="build the default kernel plans for a spec or a checkpoint")
+def add_spec_arguments(p, l2norm_help: str = "normalise q and k in the kernel") -> None:
+    """The arguments that name the specs to work on (a checkpoint, or heads and types); `tune` shares them."""
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (or its config.json); else give --hqk/--hv")
     p.add_argument("--hqk", type=int, help="q/k heads")
     p.add_argument("--hv", type=int, help="v heads")
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="q/k/v dtype")
     p.add_argument("--state-layout", choices=("kv", "vk"), default="kv", help="kv: [N,Hv,K,V]; vk: [N,Hv,V,K]")
-    p.add_argument("--qk-l2norm", action="store_true", help="normalise q and k in the kernel")
+    p.add_argument("--qk-l2norm", action="store_true", help=l2norm_help)
+
+
+def add_parser(sub):
+    p = sub.add_parser("compile", help="build the default kernel plans for a spec or a checkpoint")
+    add_spec_arguments(p)
     p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: cores)")
     p.add_argument("--force", action="store_true", help="rebuild even when the cache has the entry")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

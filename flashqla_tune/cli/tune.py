@@ -2,17 +2,12 @@
 plans on this GPU; the study persists in the cache, so a rerun resumes it."""
 from __future__ import annotations
 
-from .compile import specs_for
+from .compile import add_spec_arguments, specs_for
 
 
 def add_parser(sub):
     p = sub.add_parser("tune", help="tune tile parameters on this GPU (resumable Optuna study per spec and GPU)")
-    p.add_argument("checkpoint", nargs="?", help="checkpoint folder (or its config.json); else give --hqk/--hv")
-    p.add_argument("--hqk", type=int, help="q/k heads")
-    p.add_argument("--hv", type=int, help="v heads")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="q/k/v dtype")
-    p.add_argument("--state-layout", choices=("kv", "vk"), default="kv", help="kv: [N,Hv,K,V]; vk: [N,Hv,V,K]")
-    p.add_argument("--qk-l2norm", action="store_true", help="(kept for spec parity; the binary is the same)")
+    add_spec_arguments(p, l2norm_help="(kept for spec parity; the binary is the same)")
     p.add_argument("--budget", type=float, default=600.0,
                    help="seconds per spec, checked between build batches (default 600)")
     p.add_argument("--trials", type=int, help="at most this many configs built and measured per spec and call")
