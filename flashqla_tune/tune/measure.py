@@ -43,9 +43,20 @@ class CacheBuilder:
         return out
 
 
+def _dtype(plan: KernelPlan):
+    import torch
+
+    return torch.bfloat16 if plan.spec.qkv_dtype == "bfloat16" else torch.float16
+
+
 def _call(plan: KernelPlan, x, out=None, final_out=None):
-    return runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, x.initial_state, x.scale,
+    """Run plan on a protocol input set, whose states are [N,Hv,K,V]; a state_v_first plan gets
+    them transposed in and gives them back transposed, so results compare with the oracle."""
+    vk = plan.spec.state_layout == "vk"
+    h0 = x.initial_state.transpose(-1, -2).contiguous() if vk else x.initial_state
+    o, s = runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, h0, x.scale,
                            True, False, out=out, final_out=final_out)
+    return o, (s.transpose(-1, -2) if vk else s)
 
 
 def _rel(a, b) -> float:
@@ -68,9 +79,12 @@ class OracleChecker:
 
         spec = plan.spec
         seed = secrets.randbelow(2**31)
-        x = make_inputs(Case(spec.num_qk_heads, spec.num_v_heads, CHECK_SEQLENS), self.device, seed=seed)
+        x = make_inputs(Case(spec.num_qk_heads, spec.num_v_heads, CHECK_SEQLENS), self.device, seed=seed,
+                        dtype=_dtype(plan))
         out = torch.full_like(x.v, float("nan"))
         final = torch.full(x.initial_state.shape, float("nan"), dtype=torch.float32, device=x.v.device)
+        if spec.state_layout == "vk":
+            final = final.transpose(-1, -2).contiguous()
         with torch.no_grad():
             o, s = _call(plan, x, out, final)
             torch.cuda.synchronize()
@@ -91,16 +105,16 @@ class GraphTimer:
         self.timer = CudaTimer(budget_s=budget_s)
         self._sets: dict = {}
 
-    def _rotation(self, case: Case):
-        key = (case.num_qk_heads, case.num_v_heads, case.seqlens)
+    def _rotation(self, case: Case, dtype):
+        key = (case.num_qk_heads, case.num_v_heads, case.seqlens, dtype)
         if key not in self._sets:
             import torch
 
             l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 0
-            probe = make_rotation(case, 1, self.device)
+            probe = make_rotation(case, 1, self.device, dtype=dtype)
             count = rotation_count(probe[0].nbytes(), l2, ROTATION_CAP_BYTES) if l2 else 1
             cu = (probe[0].cu_seqlens, probe[0].cu_seqlens_long, probe[0].cu_seqlens_cpu)
-            self._sets[key] = probe + (make_rotation(case, count - 1, self.device, seed=1, cu=cu)
+            self._sets[key] = probe + (make_rotation(case, count - 1, self.device, seed=1, dtype=dtype, cu=cu)
                                        if count > 1 else [])
         return self._sets[key]
 
@@ -109,7 +123,7 @@ class GraphTimer:
 
         spec, times = plan.spec, {}
         for seqlens in self.seqlens:
-            sets = self._rotation(Case(spec.num_qk_heads, spec.num_v_heads, seqlens))
+            sets = self._rotation(Case(spec.num_qk_heads, spec.num_v_heads, seqlens), _dtype(plan))
             fn = lambda x: _call(plan, x)  # noqa: E731
             with torch.no_grad():
                 self.timer.warmup(fn, sets, rounds=1)
