@@ -50,20 +50,11 @@ def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, outp
     unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS) - {"use_gate_in_kernel"})
     if unknown:
         return False, f"flashqla_tune packs do not know the argument(s) {unknown}"
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v, g, beta)):
-        return False, "q, k, v, g, beta must be tensors"
-    if q.dim() != 4 or k.shape != q.shape or v.dim() != 4:
-        return False, f"q, k, v must be [B,T,H,D] with q and k alike; got {tuple(q.shape)}, {tuple(k.shape)}, " \
-                      f"{tuple(v.shape)}"
-    if q.dtype not in op_checks.SUPPORTED_QKV_DTYPES or not q.dtype == k.dtype == v.dtype:
-        return False, f"flashqla_tune needs q, k, v in one of bfloat16/float16; got {q.dtype}, {k.dtype}, {v.dtype}"
-    if q.shape[-1] != 128 or v.shape[-1] != 128:
-        return False, f"flashqla_tune kernels need K = V = 128; got K={q.shape[-1]}, V={v.shape[-1]}"
-    Hv = v.shape[2]
-    if g.dim() != 3 or tuple(g.shape) != (*v.shape[:2], Hv) or tuple(beta.shape) != tuple(g.shape):
-        return False, f"g and beta must be [B,T,Hv] (scalar gate); got g {tuple(g.shape)}, beta {tuple(beta.shape)}"
-    if g.dtype not in op_checks.SUPPORTED_GATE_DTYPES or beta.dtype not in op_checks.SUPPORTED_GATE_DTYPES:
-        return False, f"g and beta must be float32 or bfloat16; got {g.dtype}, {beta.dtype}"
+    try:
+        Hv = op_checks.check_shapes_and_types(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                              state_v_first)[3]
+    except (TypeError, ValueError) as exc:  # UnsupportedError is a ValueError
+        return False, str(exc)
     if _needs_grad(q, k, v, g, beta, initial_state):
         return False, "flashqla_tune implements the forward only, and an input requires grad"
     arch = device_arch(q)

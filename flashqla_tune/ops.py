@@ -26,6 +26,19 @@ class UnsupportedError(ValueError):
 
 def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
     """Host-side checks of a call (no GPU synchronisation); returns (B, T, Hqk, Hv, N)."""
+    sizes = check_shapes_and_types(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
+    device = q.device
+    if device.type != "cuda":
+        raise ValueError(f"inputs must be on a CUDA device, got {device}")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("cu_seqlens", cu_seqlens)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    return sizes
+
+
+def check_shapes_and_types(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first):
+    """Everything check_inputs checks except where the tensors live (the FLA verifier reuses it)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -71,13 +84,6 @@ def check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, st
             raise ValueError(f"initial_state shape {tuple(initial_state.shape)}, expected {layout} = {want}")
         if not initial_state.is_floating_point():
             raise ValueError(f"initial_state must be floating point, got {initial_state.dtype}")
-    device = q.device
-    if device.type != "cuda":
-        raise ValueError(f"inputs must be on a CUDA device, got {device}")
-    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
-                    ("cu_seqlens", cu_seqlens)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device} but q is on {device}")
     return B, T, Hqk, Hv, N
 
 
