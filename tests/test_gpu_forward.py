@@ -180,3 +180,44 @@ def test_torch_compile_traces_through_the_op():
         compiled = torch.compile(step, fullgraph=True)(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
                                                        inp["initial_state"], inp["cu_seqlens"])
     assert torch.allclose(eager, compiled, rtol=1e-5)
+
+
+def test_batch_invariance_is_bitwise():
+    """A sequence's output and final state do not depend on what else is in the batch."""
+    inp = make_case(6, [1500, 333, 64, 2100], 2, 8, torch.bfloat16, "mixed", True, False)
+    with torch.no_grad():
+        o_all, s_all = ops.chunk_gated_delta_rule(
+            inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["initial_state"],
+            output_final_state=True, cu_seqlens=inp["cu_seqlens"])
+        lo, hi = 1500, 1833  # the second sequence alone
+        o_one, s_one = ops.chunk_gated_delta_rule(
+            *(inp[n][:, lo:hi] for n in ("q", "k", "v", "g", "beta")), initial_state=inp["initial_state"][1:2],
+            output_final_state=True, cu_seqlens=torch.tensor([0, hi - lo], device=DEV))
+    assert torch.equal(o_all[:, lo:hi], o_one) and torch.equal(s_all[1:2], s_one)
+
+
+def test_int32_offsets_and_empty_sequences():
+    inp = make_case(8, [0, 100, 0, 70, 0], 2, 8, torch.bfloat16, "mixed", True, False)
+    cu32 = inp["cu_seqlens"].to(torch.int32)
+    with torch.no_grad():
+        o64, s64 = ops.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                              initial_state=inp["initial_state"], output_final_state=True,
+                                              cu_seqlens=inp["cu_seqlens"])
+        o32, s32 = ops.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                              initial_state=inp["initial_state"], output_final_state=True,
+                                              cu_seqlens=cu32, cu_seqlens_cpu=cu32.cpu())
+    assert torch.equal(o64, o32) and torch.equal(s64, s32)
+    # an empty sequence's final state is its initial state
+    for n in (0, 2, 4):
+        assert torch.equal(s64[n], inp["initial_state"][n])
+
+
+def test_malformed_offsets_never_fault():
+    """cu_seqlens is clamped in the kernels: garbage offsets give garbage rows, never a fault."""
+    inp = make_case(9, [300, 200], 2, 8, torch.bfloat16, "mixed", True, False)
+    for bad in ([0, 400, 100], [-50, 10_000, 20_000], [0, 2**40, 3]):
+        cu = torch.tensor(bad, device=DEV, dtype=torch.int64)
+        with torch.no_grad():
+            ops.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                       initial_state=inp["initial_state"], output_final_state=True, cu_seqlens=cu)
+        torch.cuda.synchronize()  # an out-of-bounds access would surface here as a CUDA error
