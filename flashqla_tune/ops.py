@@ -8,6 +8,8 @@ it is CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import runtime
@@ -117,9 +119,13 @@ def check_gpu(device):
 
 def call_spec(q, v, state_v_first) -> GDNSpec:
     """The kernel-shaping spec of a call (what picks the binary)."""
-    return GDNSpec(num_qk_heads=q.shape[2], num_v_heads=v.shape[2], head_k_dim=q.shape[3],
-                   head_v_dim=v.shape[3], qkv_dtype="bfloat16" if q.dtype == torch.bfloat16 else "float16",
-                   state_layout="vk" if state_v_first else "kv")
+    return _spec(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype == torch.bfloat16, bool(state_v_first))
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(hqk, hv, k, v, bf16, vk) -> GDNSpec:
+    return GDNSpec(num_qk_heads=hqk, num_v_heads=hv, head_k_dim=k, head_v_dim=v,
+                   qkv_dtype="bfloat16" if bf16 else "float16", state_layout="vk" if vk else "kv")
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -6,6 +6,7 @@ current stream, so it never synchronises and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -19,7 +20,9 @@ _registered: dict[str, KernelPlan] = {}  # plans with a library from a pack, by 
 _lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
 def default_plan_for(spec: GDNSpec) -> KernelPlan:
+    """The default plan of a spec, built once per process (plan validation is not free per call)."""
     return default_plan(spec)
 
 
