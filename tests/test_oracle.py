@@ -221,3 +221,38 @@ def test_bound_fails_when_beta_k_norm_exceeds_two():
     S_w = true_state(inp, cut - n * C)[0]
     err = float((res.segment_initial_states[0][1, 0] - S_true).norm())
     assert err > 1e3 * EPS * float(S_w.norm()), err
+
+
+def test_guard_chains_exactly_when_the_input_does_not_decay():
+    """Heads calibrated as decaying but fed zero decay: the guard refuses every window and the
+    result is the exact recurrence; without the guard the same table is far off."""
+    inp = make_inputs(T=64 * 9, Hqk=1, Hv=2, K=8, V=4, gate="zero", initial_state=True, seed=21)
+    cuts = uniform_boundaries(64 * 9, 3)
+    table = torch.full((len(cuts) + 1, 2), 2)  # "calibration said 2 chunks suffice"
+    o_ref, s_ref = recurrent_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                              initial_state=inp["initial_state"], output_final_state=True)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], [cuts], [table])
+    guarded = segmented_gated_delta_rule(*args, initial_state=inp["initial_state"], guard_eps=EPS)
+    assert not guarded.used_warmup[0].any()
+    assert rel_l2(guarded.o, o_ref) < 1e-11 and rel_l2(guarded.final_state, s_ref) < 1e-11
+    unguarded = segmented_gated_delta_rule(*args, initial_state=inp["initial_state"])
+    assert unguarded.used_warmup[0][1:].all() and rel_l2(unguarded.o, o_ref) > 1e-3
+
+
+def test_guard_refuses_unnormalised_keys_and_keeps_safe_windows():
+    T = 64 * 8
+    inp = make_inputs(T=T, Hqk=1, Hv=2, K=8, V=4, gate="zero", initial_state=True, seed=22)
+    inp["g"][:] = math.log(EPS) / 64 * 1.2   # every chunk reaches log(eps) on its own
+    cuts = uniform_boundaries(T, 4)
+    table = torch.tensor([[EXACT, EXACT], [1, 1]])
+    safe = segmented_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], [cuts], [table],
+                                      initial_state=inp["initial_state"], guard_eps=EPS)
+    assert safe.used_warmup[0][1].all()
+    k2 = inp["k"].clone()
+    k2[0, cuts[0] - 10, 0] *= 2.0            # one token in the window with b ||k||^2 up to 4
+    inp["beta"][0, cuts[0] - 10, :] = 0.9
+    unsafe = segmented_gated_delta_rule(inp["q"], k2, inp["v"], inp["g"], inp["beta"], [cuts], [table],
+                                        initial_state=inp["initial_state"], guard_eps=EPS)
+    assert not unsafe.used_warmup[0][1].any(), "b ||k||^2 = 3.6 > 2 inside the window: chained exactly"
+    with pytest.raises(ValueError, match="guard_eps=2"):
+        segmented_gated_delta_rule(inp["q"], k2, inp["v"], inp["g"], inp["beta"], [cuts], [table], guard_eps=2)

@@ -9,10 +9,17 @@ state is found:
           (then nothing is approximated);
   -1      exact: chain through the previous segment, S_s = M_{s-1} S_{s-1} + H_{s-1}, with M the
           product of the previous segment's chunk transitions and H its zero-state end state.
+
+With guard_eps set, a warm-up window is used only where the approximation is provably within
+guard_eps * ||S_w|| on this very input (DESIGN.md, "The math"): the window's summed log-decay is
+at most log(guard_eps) and every token in it has 0 <= b ||k||^2 <= 2. Any other window is
+chained exactly, as the kernels' in-kernel guard must do.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import torch
 
@@ -27,12 +34,22 @@ class SegmentedResult:
     o: torch.Tensor                      # [B, T, Hv, V] float64
     final_state: torch.Tensor            # [N, Hv, K, V] (or V, K) float64
     segment_initial_states: list         # per sequence: [num_segments, Hv, K, V] float64 (kv layout)
+    used_warmup: list                    # per sequence: bool [num_segments, Hv], True where a window was used
 
 
 def uniform_boundaries(seq_len: int, segment_chunks: int, chunk_size: int = CHUNK) -> list[int]:
     """Boundaries every segment_chunks chunks; the last segment takes the remainder."""
     step = segment_chunks * chunk_size
     return list(range(step, seq_len, step))
+
+
+def window_is_safe(k_w, g_w, b_w, guard_eps: float) -> bool:
+    """The guard for one head's window (head-major slices [L, K], [L], [L]): decays to
+    log(guard_eps) and every (I - b k k^T) has spectral norm <= 1."""
+    if float(g_w.sum()) > math.log(guard_eps):
+        return False
+    bk2 = b_w * (k_w * k_w).sum(-1)
+    return bool(((bk2 >= 0) & (bk2 <= 2)).all())
 
 
 def _segment_transition(k_s, g_s, b_s, chunk_size):
@@ -47,16 +64,20 @@ def _segment_transition(k_s, g_s, b_s, chunk_size):
 def segmented_gated_delta_rule(
     q, k, v, g, beta, boundaries, warmup, scale=None, initial_state=None,
     use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, chunk_size=CHUNK,
+    guard_eps: float | None = None,
 ) -> SegmentedResult:
     """boundaries: per sequence, a list of chunk-aligned token offsets inside (0, length);
-    warmup: per sequence, an int tensor [num_segments, Hv] (row 0 is ignored)."""
+    warmup: per sequence, an int tensor [num_segments, Hv] (row 0 is ignored); guard_eps: see
+    the module docstring (None: every requested window is used)."""
+    if guard_eps is not None and not 0.0 < guard_eps < 1.0:
+        raise ValueError(f"guard_eps={guard_eps!r} must be in (0, 1)")
     n_seq, Hv, K, V = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first)
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     seqs = sequence_bounds(v.shape[0], v.shape[1], cu_seqlens)
     if len(boundaries) != len(seqs) or len(warmup) != len(seqs):
         raise ValueError(f"need boundaries and warmup for each of the {len(seqs)} sequences")
     o = torch.zeros_like(v)
-    finals, inits = [], []
+    finals, inits, used = [], [], []
     for n, (b, start, end) in enumerate(seqs):
         length = end - start
         cuts = [int(x) for x in boundaries[n]]
@@ -73,6 +94,7 @@ def segmented_gated_delta_rule(
         seq = head_major(q, k, v, g, beta, b, start, end)
         edges = [0] + cuts + [length]
         S_init = [h0]
+        warmed = torch.zeros(len(edges) - 1, Hv, dtype=torch.bool)
         for s in range(1, len(edges) - 1):
             lo, hi = edges[s - 1], edges[s]
             prev = [x[:, lo:hi] for x in seq]
@@ -92,7 +114,11 @@ def segmented_gated_delta_rule(
                     _, S_h = run_chunks(h0[h:h + 1], *window, scale, chunk_size)
                 else:
                     window = [x[h:h + 1, w:hi] for x in seq]
+                    if guard_eps is not None and not window_is_safe(window[1][0], window[3][0], window[4][0],
+                                                                    guard_eps):
+                        continue  # the guard refuses this window: keep the exact state
                     _, S_h = run_chunks(torch.zeros_like(h0[h:h + 1]), *window, scale, chunk_size)
+                    warmed[s, h] = True
                 chosen[h] = S_h[0]
             S_init.append(chosen)
         S = None
@@ -102,5 +128,6 @@ def segmented_gated_delta_rule(
             o[b, start + lo:start + hi] = O.transpose(0, 1)
         finals.append(S if S is not None else h0)
         inits.append(torch.stack(S_init))
+        used.append(warmed)
     return SegmentedResult(o=o, final_state=state_from_kv(torch.stack(finals), state_v_first),
-                           segment_initial_states=inits)
+                           segment_initial_states=inits, used_warmup=used)
