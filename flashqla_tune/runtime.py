@@ -85,5 +85,10 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         final_state=final.data_ptr() if output_final_state else None, o=o.data_ptr(),
         workspace=workspace.data_ptr(), total_tokens=T, num_seqs=N, scale=float(scale),
         use_qk_l2norm=int(bool(use_qk_l2norm)), reserved=0)
-    lib.launch(args, torch.cuda.current_stream(v.device).cuda_stream)
+    lib.launch(args, current_stream_handle(v.device))
     return o, final
+
+
+def current_stream_handle(device) -> int:
+    """torch's current CUDA stream on device, as the cudaStream_t the library launches on."""
+    return torch.cuda.current_stream(device).cuda_stream

@@ -1,0 +1,88 @@
+"""The op's plumbing on the CPU: public wrapper -> torch.library custom op -> runtime -> the
+launch struct a kernel library receives. A test double stands in for the library (it records
+the FqtGdnFwdArgs instead of launching), so no GPU is needed; the GPU tests run the real one."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from flashqla_tune import ops, runtime
+from flashqla_tune.plan import default_plan
+from flashqla_tune.spec import GDNSpec
+
+
+class RecordingLibraryDouble:
+    """Test double for loader.KernelLibrary: records each launch's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def workspace_bytes(self, total_tokens, num_seqs):
+        return 4096 + total_tokens
+
+    def launch(self, args, stream):
+        copy = type(args)()
+        ctypes.pointer(copy)[0] = args
+        # read the offsets now: like a kernel, the double sees them while the call holds them
+        cu = ctypes.cast(args.cu_seqlens, ctypes.POINTER(ctypes.c_int64))
+        self.calls.append((copy, stream, [cu[i] for i in range(args.num_seqs + 1)]))
+
+
+LIBRARY = RecordingLibraryDouble()   # registered once: runtime keeps the first library of a plan
+PLAN = default_plan(GDNSpec(2, 8, state_layout="vk"))
+runtime.register_library(PLAN, LIBRARY)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    lib, plan = LIBRARY, PLAN
+    lib.calls.clear()
+    monkeypatch.setattr(runtime, "current_stream_handle", lambda device: 1234)
+    monkeypatch.setattr(ops, "check_gpu", lambda device: None)      # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(ops, "check_inputs", ops.check_shapes_and_types)
+    return lib, plan
+
+
+def test_op_passes_packed_tensors_and_flags_to_the_library(recorded):
+    lib, plan = recorded
+    B, T = 2, 100
+    q = torch.randn(B, T, 2, 128, dtype=torch.bfloat16)
+    k = torch.randn(B, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(B, T, 8, 128, dtype=torch.bfloat16)
+    g = torch.randn(B, T, 8, dtype=torch.bfloat16)        # bf16 gates are upcast
+    beta = torch.rand(B, T, 8)
+    h0 = torch.randn(B, 8, 128, 128)
+    o, final = ops.run_checked(q, k, v, g, beta, None, h0, True, True, True, None, plan_name=plan.name)
+    assert o.shape == (B, T, 8, 128) and o.dtype == torch.bfloat16
+    assert final.shape == (B, 8, 128, 128) and final.dtype == torch.float32
+    (args, stream, offsets), = lib.calls
+    assert stream == 1234
+    assert (args.total_tokens, args.num_seqs, args.use_qk_l2norm) == (B * T, B, 1)
+    assert args.scale == pytest.approx(128 ** -0.5)
+    assert args.q == q.data_ptr() and args.k == k.data_ptr() and args.v == v.data_ptr()
+    assert args.initial_state == h0.data_ptr() and args.final_state == final.data_ptr()
+    assert args.o == o.data_ptr() and args.workspace and args.g != g.data_ptr()  # g went through fp32
+    assert offsets == [0, T, 2 * T]     # batch rows packed as varlen
+
+
+def test_no_final_state_and_no_initial_state(recorded):
+    lib, plan = recorded
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, 64, 8)
+    o, final = ops.run_checked(q, q, v, g, g, 0.5, None, False, False, True, torch.tensor([0, 64]),
+                               plan_name=plan.name)
+    assert final is None
+    (args, _, offsets), = lib.calls
+    assert offsets == [0, 64]
+    assert args.initial_state is None and args.final_state is None and args.scale == 0.5
+
+
+def test_unknown_plan_name_is_a_clear_error(recorded):
+    q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, 8, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(KeyError, match="plan nope is not loaded from any pack"):
+        ops.run_checked(q, q, v, torch.zeros(1, 8, 8), torch.zeros(1, 8, 8), None, None, False, False, False,
+                        None, plan_name="nope")
