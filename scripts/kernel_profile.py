@@ -13,11 +13,11 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashqla_tune import runtime
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.inputs import make_rotation
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
+from flashqla_tune.tune.measure import forward_on_inputs
 
 ROWS = [Case(2, 8, (32768,)), Case(2, 8, (2048,)), Case(16, 64, (32768,)), Case(16, 64, (1024,) * 8),
         Case(8, 32, (8192,) * 4)]
@@ -29,8 +29,7 @@ def kernel_times(case: Case) -> dict:
     x = make_rotation(case, 1, "cuda")[0]
 
     def call():
-        return runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, x.initial_state, x.scale,
-                               True, False)
+        return forward_on_inputs(plan, x)
 
     with torch.no_grad():
         call()

@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flashqla_tune.bench.accuracy import rel_l2  # re-exported: one relative L2 for every test
+
+__all__ = ["gate_values", "make_inputs", "rel_l2"]
+
 
 def make_inputs(B=1, T=100, Hqk=2, Hv=4, K=16, V=8, *, gate="mixed", beta_max=1.0, seed=0,
                 cu_seqlens=None, initial_state=False, state_v_first=False, dtype=torch.float64):
@@ -39,7 +43,3 @@ def gate_values(kind, shape, gen, dtype=torch.float64):
         g[..., ::4] = 0.0
         return g
     raise ValueError(kind)
-
-
-def rel_l2(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))

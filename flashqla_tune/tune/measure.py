@@ -9,6 +9,7 @@ import os
 import secrets
 
 from .. import cache, runtime
+from ..bench.accuracy import rel_l2
 from ..bench.cases import SEQLENS, Case, format_seqlens
 from ..bench.inputs import make_inputs, make_rotation
 from ..bench.timing import CudaTimer, rotation_count
@@ -49,7 +50,7 @@ def _dtype(plan: KernelPlan):
     return torch.bfloat16 if plan.spec.qkv_dtype == "bfloat16" else torch.float16
 
 
-def _call(plan: KernelPlan, x, out=None, final_out=None):
+def forward_on_inputs(plan: KernelPlan, x, out=None, final_out=None):
     """Run plan on a protocol input set, whose states are [N,Hv,K,V]; a state_v_first plan gets
     them transposed in and gives them back transposed, so results compare with the oracle."""
     vk = plan.spec.state_layout == "vk"
@@ -57,13 +58,6 @@ def _call(plan: KernelPlan, x, out=None, final_out=None):
     o, s = runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, h0, x.scale,
                            True, False, out=out, final_out=final_out)
     return o, (s.transpose(-1, -2) if vk else s)
-
-
-def _rel(a, b) -> float:
-    ref = b.double()
-    den = ref.norm()
-    err = (a.double() - ref).norm()
-    return float(err / den) if den > 0 else float(err)
 
 
 class OracleChecker:
@@ -86,12 +80,12 @@ class OracleChecker:
         if spec.state_layout == "vk":
             final = final.transpose(-1, -2).contiguous()
         with torch.no_grad():
-            o, s = _call(plan, x, out, final)
+            o, s = forward_on_inputs(plan, x, out, final)
             torch.cuda.synchronize()
             ref_o, ref_s = chunk_gated_delta_rule_chunked(
                 x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.initial_state,
                 output_final_state=True, cu_seqlens=x.cu_seqlens_long)
-        errors = {"o": _rel(o, ref_o), "state": _rel(s, ref_s)}
+        errors = {"o": rel_l2(o, ref_o), "state": rel_l2(s, ref_s)}
         ok = all(math.isfinite(e) and e <= self.tolerance for e in errors.values())
         return CheckResult(ok, errors, f"seed {seed}, tolerance {self.tolerance:g}")
 
@@ -124,7 +118,7 @@ class GraphTimer:
         spec, times = plan.spec, {}
         for seqlens in self.seqlens:
             sets = self._rotation(Case(spec.num_qk_heads, spec.num_v_heads, seqlens), _dtype(plan))
-            fn = lambda x: _call(plan, x)  # noqa: E731
+            fn = lambda x: forward_on_inputs(plan, x)  # noqa: E731
             with torch.no_grad():
                 self.timer.warmup(fn, sets, rounds=1)
                 timing = self.timer.graph(fn, sets)
