@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 64
+from ..oracle.chunked import CHUNK, decay_mask, gate_free_inverse
+from ..oracle.common import l2_normalize
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ def chunk_gated_delta_rule_torch(
 
     qf, kf = flat(q), flat(k)
     if use_qk_l2norm_in_kernel:
-        qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
-        kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+        qf, kf = l2_normalize(qf), l2_normalize(kf)
     # v-head h reads q/k head h // group
     qc = _to_chunks(qf, layout).repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
     kc = _to_chunks(kf, layout).repeat_interleave(group, dim=1)
@@ -110,13 +110,8 @@ def chunk_gated_delta_rule_torch(
 
     gamma = gc.cumsum(-1)
     gamma_last = gamma[..., -1]
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=v.device).tril()
-    diff = gamma[..., :, None] - gamma[..., None, :]
-    Gamma = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
-    # Gate-free A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, one triangular solve per chunk.
-    eye = torch.eye(CHUNK, dtype=dt, device=v.device)
-    lower = torch.tril(bc[..., :, None] * (kc @ kc.transpose(-1, -2)), diagonal=-1)
-    A0 = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
+    Gamma = decay_mask(gamma)
+    A0 = gate_free_inverse(kc, bc)  # one triangular solve per chunk and head
     Tmat = (Gamma * A0) * bc[..., None, :]  # (Gamma . A0) diag(b)
     d = gamma.exp()[..., None]
     U = Tmat @ vc  # V_new = U - Wk S
@@ -125,7 +120,7 @@ def chunk_gated_delta_rule_torch(
     QKm = Gamma * (qc @ kc.transpose(-1, -2))
     Kt = (kc * (gamma_last[..., None] - gamma).exp()[..., None]).transpose(-1, -2)  # [NC, Hv, K, C]
     decay = gamma_last.exp()[..., None, None]
-    del gamma, diff, Gamma, lower, A0, Tmat, d, qc, kc, vc, gc, bc
+    del gamma, Gamma, A0, Tmat, d, qc, kc, vc, gc, bc
 
     if initial_state is None:
         S = torch.zeros(N, Hv, K, V, dtype=dt, device=v.device)

@@ -20,16 +20,17 @@ CHUNK = 64
 
 
 def gate_free_inverse(k_c: torch.Tensor, b_c: torch.Tensor) -> torch.Tensor:
-    """A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, [Hv, L, L]; no exponentials."""
-    L = k_c.shape[1]
-    lower = torch.tril(b_c[:, :, None] * (k_c @ k_c.transpose(1, 2)), diagonal=-1)
+    """A0 = (I + strictly_lower(diag(b) K K^T))^{-1}: k_c [..., L, K], b_c [..., L] -> [..., L, L];
+    no exponentials. Any leading dims (heads, chunks), so the PyTorch baseline batches it."""
+    L = k_c.shape[-2]
+    lower = torch.tril(b_c[..., :, None] * (k_c @ k_c.transpose(-1, -2)), diagonal=-1)
     eye = torch.eye(L, dtype=k_c.dtype, device=k_c.device).expand_as(lower)
     return torch.linalg.solve_triangular(eye + lower, eye, upper=False, unitriangular=True)
 
 
 def decay_mask(gamma: torch.Tensor) -> torch.Tensor:
-    """Gamma_ij = e^{gamma_i - gamma_j} for i >= j, else 0; [Hv, L, L]."""
-    diff = gamma[:, :, None] - gamma[:, None, :]
+    """Gamma_ij = e^{gamma_i - gamma_j} for i >= j, else 0: gamma [..., L] -> [..., L, L]."""
+    diff = gamma[..., :, None] - gamma[..., None, :]
     causal = torch.ones(diff.shape[-2:], dtype=torch.bool, device=gamma.device).tril()
     return torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
 
