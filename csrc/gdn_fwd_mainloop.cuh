@@ -1,15 +1,17 @@
 // The sequential GDN forward on Hopper: one CTA per (V tile, v-head, sequence) walks the
-// sequence chunk by chunk, keeping its [K x block_v] slice of the state S in fp32 registers.
+// sequence chunk by chunk, keeping the transposed state S^T [block_v x K] in fp32 registers.
 //
 // Warp group 0 is the producer: one thread streams each chunk's q, k, v and the prepared Aw
 // and P tiles into a ring of shared-memory stages with TMA (bulk tensor copies completing on
-// mbarriers). Warp group 1 does the math on the tensor cores (wgmma), per chunk:
-//   KS = K S, QS = Q S                 (S read as bf16/fp16 from shared memory)
-//   W  = V - D KS                      -> smem
-//   Vn = Aw W                          -> smem, and Vs = diag(e^{gC - g}) Vn -> smem
-//   O  = scale D QS + P Vn             -> global (rows past the sequence end are not stored)
-//   S  = e^{gC} S + K^T Vs             (accumulated in registers)
-// The register budget is split between the two roles with setmaxnreg.
+// mbarriers). Each further warp group ("consumer") owns 64 rows (values) of S^T and runs, per chunk,
+// three dependent wgmma phases whose A operands never leave registers (the accumulator layout of
+// one wgmma is the A-fragment layout of the next, as in FlashAttention-3):
+//   1. X^T = V^T - (S^T K^T) D        and  O^T = scale (S^T Q^T) D      (A = S^T, bf16/fp16)
+//   2. Vn^T = X^T Aw^T                                                  (A = X^T)
+//   3. O^T += Vn^T P^T                and  S^T = e^{gC} S^T + Vn^T diag(e^{gC - g}) K
+// with D = diag(e^{g}). Only K, Q, Aw, P (B operands) and V come from shared memory; nothing of
+// the state goes through shared memory, so a chunk needs no barrier between its phases.
+// The register budget is split between the roles with setmaxnreg.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -26,6 +28,9 @@ namespace fqt {
 
 using namespace cute;
 
+constexpr int kRowsPerConsumer = 64;  // wgmma M: state rows (values) per consumer warp group
+constexpr int kOutPitch = kRowsPerConsumer + 8;  // padded row of the O staging tile (no bank conflicts)
+
 template <class Elem_, int Hqk_, int Hv_, int HeadK_, int HeadV_, int BlockV_, int Stages_, bool StateVFirst_,
           int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1>
 struct FwdConfig {
@@ -34,12 +39,13 @@ struct FwdConfig {
   static constexpr int BlockV = BlockV_, Stages = Stages_;
   static constexpr bool StateVFirst = StateVFirst_;
   static constexpr int ProducerRegs = ProducerRegs_, ConsumerRegs = ConsumerRegs_;
-  static constexpr int Threads = 256;
-  // Launch bounds cap registers at 65536 / (Threads * CtasPerSm) per thread; setmaxnreg then moves
-  // them from the producer to the math warp group inside that pool.
+  static_assert(BlockV == 64 || BlockV == 128, "block_v is 64 (one consumer warp group) or 128 (two)");
+  static constexpr int Consumers = BlockV / kRowsPerConsumer;
+  static constexpr int Threads = 128 * (1 + Consumers);
+  // Launch bounds leave 65536 / CtasPerSm registers per CTA; setmaxnreg moves them between roles.
   static constexpr int CtasPerSm = CtasPerSm_;
   static_assert(CtasPerSm == 1 || CtasPerSm == 2, "one or two CTAs per SM");
-  static_assert(ProducerRegs + ConsumerRegs <= 2 * (65536 / (Threads * CtasPerSm)),
+  static_assert(128 * (ProducerRegs + Consumers * ConsumerRegs) <= 65536 / CtasPerSm,
                 "the register split exceeds the pool the launch bounds leave");
   static_assert(HeadK == 128, "the shared-memory layouts assume K = 128");
   static_assert(HeadV % BlockV == 0, "block_v must divide V");
@@ -47,27 +53,23 @@ struct FwdConfig {
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;
   using CBV = Int<BlockV>;
+  using CM = Int<kRowsPerConsumer>;
 
-  // Q, K tiles as (token, k): K-major A operands of KS/QS; K's transposed view (k, token) is
-  // the MN-major A operand of K^T Vs.
+  // Q, K tiles (token, k), k contiguous: K-major B operands of S^T Q^T and S^T K^T. K's
+  // transposed view (k, token) is the MN-major B operand of the state update.
   using LayoutQK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, CK>{}));
   using LayoutKt = decltype(composition(LayoutQK{}, make_layout(Shape<CK, C64>{}, GenRowMajor{})));
-  // Aw, P as (i, j): K-major A operands.
+  // Aw, P (i, j), j contiguous: K-major B operands of X^T Aw^T and Vn^T P^T.
   using LayoutMat = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, C64>{}));
-  // V-like tiles stored (v, token), v contiguous: MN-major B operands of Aw W, P Vn, K^T Vs.
-  using AtomVt = std::conditional_t<BlockV % 64 == 0, GMMA::Layout_MN_SW128_Atom<Elem>, GMMA::Layout_MN_SW64_Atom<Elem>>;
-  using LayoutVt = decltype(tile_to_shape(AtomVt{}, Shape<CBV, C64>{}));
-  using LayoutTV = decltype(composition(LayoutVt{}, make_layout(Shape<C64, CBV>{}, GenRowMajor{})));  // (token, v) view
-  // S stored (v, k), v contiguous: MN-major B operand of KS/QS; (k, v) view for writing it.
-  using LayoutSt = decltype(tile_to_shape(AtomVt{}, Shape<CBV, CK>{}));
-  using LayoutKV = decltype(composition(LayoutSt{}, make_layout(Shape<CK, CBV>{}, GenRowMajor{})));
+  // V tile (v, token), v contiguous as in global memory (the swizzle spreads a thread's column
+  // reads over the banks).
+  using LayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<CBV, C64>{}));
 
-  // M = 64 token rows: A K-major, B MN-major.
-  using MmaTok = decltype(make_tiled_mma(GMMA::ss_op_selector<Elem, Elem, float, Shape<C64, CBV, C64>,
-                                                              GMMA::Major::K, GMMA::Major::MN>()));
-  // M = 128 state rows (two atoms stacked by one warp group): A and B MN-major.
-  using MmaState = decltype(make_tiled_mma(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, CBV, C64>,
-                                                                GMMA::Major::MN, GMMA::Major::MN>()));
+  // Register-A wgmma, M = 64 values: N = 64 tokens with a K-major B; N = K keys with K MN-major.
+  using MmaTok = decltype(make_tiled_mma(GMMA::rs_op_selector<Elem, Elem, float, Shape<CM, C64, C64>,
+                                                              GMMA::Major::K, GMMA::Major::K>()));
+  using MmaState = decltype(make_tiled_mma(GMMA::rs_op_selector<Elem, Elem, float, Shape<CM, CK, C64>,
+                                                                GMMA::Major::K, GMMA::Major::MN>()));
 
   struct Stage {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
@@ -78,10 +80,8 @@ struct FwdConfig {
   };
   struct alignas(1024) SharedStorage {
     Stage stage[Stages];
-    cute::array_aligned<Elem, cosize_v<LayoutSt>, 1024> s;
-    cute::array_aligned<Elem, cosize_v<LayoutVt>, 1024> w;
-    cute::array_aligned<Elem, cosize_v<LayoutVt>, 1024> vn;
-    cute::array_aligned<Elem, cosize_v<LayoutVt>, 1024> vs;
+    // O^T staged as (token, value) rows per consumer, double-buffered across chunks.
+    cute::array_aligned<Elem, Consumers * 2 * kChunk * kOutPitch, 16> out;
     uint64_t full[Stages];
     uint64_t empty[Stages];
   };
@@ -133,12 +133,79 @@ struct FwdParams {
   float scale;
 };
 
+// Accumulator element e of a 64 x N wgmma tile sits at (row0 + 8 * ((e / 2) % 2), col0 + e % 2 +
+// 8 * (e / 4)) (CuTe's SM90 C layout); A-register fragment element e has the same coordinates,
+// which is what lets an accumulator become the next wgmma's A operand element by element.
+// Column slot of element e among a thread's N / 4 columns:
+__host__ __device__ constexpr int column_slot(int e) { return (e / 4) * 2 + e % 2; }
+
+template <class Frag, class Acc>
+__device__ __forceinline__ void to_operand(Frag& frag, const Acc& acc) {
+  static_assert(decltype(size(frag))::value == decltype(size(acc))::value, "fragment and accumulator differ");
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2) *word_at(frag, e) = pack2<typename Frag::value_type>(acc(e), acc(e + 1));
+}
+
+template <class Cfg>
+__device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
+                                               const SeqRange& range, int vt, int hv, int hqk) {
+  using C64 = typename Cfg::C64;
+  using CK = typename Cfg::CK;
+  using CBV = typename Cfg::CBV;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using EmptyBarrier = cutlass::arch::ClusterBarrier;
+  constexpr int Stages = Cfg::Stages;
+  cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(p.tma_aw.get_tma_descriptor());
+  cute::prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
+  const int32_t T = int32_t(p.total_tokens);
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(T, int32_t(Cfg::Hqk * Cfg::HeadK)));
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(T, int32_t(Cfg::Hqk * Cfg::HeadK)));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(int32_t(Cfg::Hv * Cfg::HeadV), T));
+  const int32_t mat_rows = int32_t(Cfg::Hv * p.num_slots * kChunk);
+  Tensor mAw = p.tma_aw.get_tma_tensor(make_shape(mat_rows, int32_t(kChunk)));
+  Tensor mP = p.tma_p.get_tma_tensor(make_shape(mat_rows, int32_t(kChunk)));
+  const int32_t tok0 = int32_t(range.start);
+  // (tile rows, tile cols, chunk) views of this CTA's part of each tensor.
+  Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(_, hqk));
+  Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(_, hqk));
+  Tensor gV = local_tile(domain_offset(make_coord(0, tok0), mV), Shape<CBV, C64>{},
+                         make_coord(hv * (Cfg::HeadV / Cfg::BlockV) + vt, _));
+  const int32_t mat_row0 = int32_t((int64_t(hv) * p.num_slots + range.slot0) * kChunk);
+  Tensor gAw = local_tile(domain_offset(make_coord(mat_row0, 0), mAw), Shape<C64, C64>{}, make_coord(_, 0));
+  Tensor gP = local_tile(domain_offset(make_coord(mat_row0, 0), mP), Shape<C64, C64>{}, make_coord(_, 0));
+
+  const int num_chunks = int(range.num_chunks());
+  for (int c = 0; c < num_chunks; ++c) {
+    const int s = c % Stages;
+    if (c >= Stages) EmptyBarrier::wait(&ss.empty[s], ((c / Stages) & 1) ^ 1);
+    auto& st = ss.stage[s];
+    Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
+    Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
+    Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
+    Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
+    Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
+    FullBarrier::arrive_and_expect_tx(&ss.full[s], Cfg::StageTxBytes);
+    auto tma_copy = [&](auto& tma, auto gsrc, auto sdst) {
+      auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdst), group_modes<0, 2>(gsrc));
+      copy(tma.with(ss.full[s]), tg, ts);
+    };
+    tma_copy(p.tma_q, gQ(_, _, c), sQ);
+    tma_copy(p.tma_k, gK(_, _, c), sK);
+    tma_copy(p.tma_v, gV(_, _, c), sV);
+    tma_copy(p.tma_aw, gAw(_, _, c), sAw);
+    tma_copy(p.tma_p, gP(_, _, c), sP);
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(CUTE_GRID_CONSTANT const FwdParams<Cfg> p) {
   using Elem = typename Cfg::Elem;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
-  using CBV = typename Cfg::CBV;
+  using CM = typename Cfg::CM;
   constexpr int Stages = Cfg::Stages;
   constexpr int G = Cfg::Hv / Cfg::Hqk;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -157,216 +224,177 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
       FullBarrier::init(&ss.full[s], 1);
-      EmptyBarrier::init(&ss.empty[s], 128);
+      EmptyBarrier::init(&ss.empty[s], 128 * Cfg::Consumers);
     }
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
 
   if (warp_group == 0) {
-    // ---------------- producer ----------------
     cutlass::arch::warpgroup_reg_dealloc<Cfg::ProducerRegs>();
-    if (threadIdx.x == 0) {
-      cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.tma_aw.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
-      const int32_t T = int32_t(p.total_tokens);
-      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(T, int32_t(Cfg::Hqk * Cfg::HeadK)));
-      Tensor mK = p.tma_k.get_tma_tensor(make_shape(T, int32_t(Cfg::Hqk * Cfg::HeadK)));
-      Tensor mV = p.tma_v.get_tma_tensor(make_shape(int32_t(Cfg::Hv * Cfg::HeadV), T));
-      const int32_t mat_rows = int32_t(Cfg::Hv * p.num_slots * kChunk);
-      Tensor mAw = p.tma_aw.get_tma_tensor(make_shape(mat_rows, int32_t(kChunk)));
-      Tensor mP = p.tma_p.get_tma_tensor(make_shape(mat_rows, int32_t(kChunk)));
-      const int32_t tok0 = int32_t(range.start);
-      // (tile rows, tile cols, chunk) views of this CTA's part of each tensor.
-      Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(_, hqk));
-      Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(_, hqk));
-      Tensor gV = local_tile(domain_offset(make_coord(0, tok0), mV), Shape<CBV, C64>{},
-                             make_coord(hv * (Cfg::HeadV / Cfg::BlockV) + vt, _));
-      const int32_t mat_row0 = int32_t((int64_t(hv) * p.num_slots + range.slot0) * kChunk);
-      Tensor gAw = local_tile(domain_offset(make_coord(mat_row0, 0), mAw), Shape<C64, C64>{}, make_coord(_, 0));
-      Tensor gP = local_tile(domain_offset(make_coord(mat_row0, 0), mP), Shape<C64, C64>{}, make_coord(_, 0));
-
-      for (int c = 0; c < num_chunks; ++c) {
-        const int s = c % Stages;
-        if (c >= Stages) EmptyBarrier::wait(&ss.empty[s], ((c / Stages) & 1) ^ 1);
-        auto& st = ss.stage[s];
-        Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
-        Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
-        Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
-        Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
-        Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
-        FullBarrier::arrive_and_expect_tx(&ss.full[s], Cfg::StageTxBytes);
-        auto tma_copy = [&](auto& tma, auto gsrc, auto sdst) {
-          auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdst), group_modes<0, 2>(gsrc));
-          copy(tma.with(ss.full[s]), tg, ts);
-        };
-        tma_copy(p.tma_q, gQ(_, _, c), sQ);
-        tma_copy(p.tma_k, gK(_, _, c), sK);
-        tma_copy(p.tma_v, gV(_, _, c), sV);
-        tma_copy(p.tma_aw, gAw(_, _, c), sAw);
-        tma_copy(p.tma_p, gP(_, _, c), sP);
-      }
-    }
+    if (threadIdx.x == 0) produce_chunks<Cfg>(p, ss, range, vt, hv, hqk);
     return;
   }
 
-  // ---------------- consumer (math warp group) ----------------
+  // ---------------- consumers: rows [v0, v0 + 64) of S^T ----------------
   cutlass::arch::warpgroup_reg_alloc<Cfg::ConsumerRegs>();
-  const int ctid = threadIdx.x - 128;
+  const int consumer = warp_group - 1;
+  const int ctid = threadIdx.x - 128 * warp_group;
   typename Cfg::MmaTok mma_tok;
   typename Cfg::MmaState mma_state;
   auto thr_tok = mma_tok.get_thread_slice(ctid);
   auto thr_state = mma_state.get_thread_slice(ctid);
 
-  Tensor sS = make_tensor(make_smem_ptr(ss.s.data()), typename Cfg::LayoutSt{});     // (v, k)
-  Tensor sSkv = make_tensor(make_smem_ptr(ss.s.data()), typename Cfg::LayoutKV{});   // (k, v)
-  Tensor sW = make_tensor(make_smem_ptr(ss.w.data()), typename Cfg::LayoutVt{});
-  Tensor sVn = make_tensor(make_smem_ptr(ss.vn.data()), typename Cfg::LayoutVt{});
-  Tensor sVs = make_tensor(make_smem_ptr(ss.vs.data()), typename Cfg::LayoutVt{});
-  Tensor sW_tv = make_tensor(make_smem_ptr(ss.w.data()), typename Cfg::LayoutTV{});
-  Tensor sVn_tv = make_tensor(make_smem_ptr(ss.vn.data()), typename Cfg::LayoutTV{});
-  Tensor sVs_tv = make_tensor(make_smem_ptr(ss.vs.data()), typename Cfg::LayoutTV{});
-
-  // Accumulators and their (row, col) coordinates.
-  Tensor accS = partition_fragment_C(mma_state, Shape<CK, CBV>{});   // (k, v) state
-  Tensor accKS = partition_fragment_C(mma_tok, Shape<C64, CBV>{});   // (token, v): K S, then Aw W
-  Tensor accO = partition_fragment_C(mma_tok, Shape<C64, CBV>{});
-  auto& accVn = accKS;  // K S is dead once W is in shared memory
-  Tensor crdS = thr_state.partition_C(make_identity_tensor(Shape<CK, CBV>{}));
-  Tensor crdTok = thr_tok.partition_C(make_identity_tensor(Shape<C64, CBV>{}));
-  Tensor tSsS = thr_state.partition_C(sSkv);
-  Tensor tWsW = thr_tok.partition_C(sW_tv);
-  Tensor tVnsVn = thr_tok.partition_C(sVn_tv);
-  Tensor tVssVs = thr_tok.partition_C(sVs_tv);
-  const int row0 = get<0>(crdTok(0));  // this thread's accumulator rows: row0 and row0 + 8
-
-  // Operand descriptors for the fixed buffers.
-  Tensor tBS = thr_tok.partition_fragment_B(sS);      // S as B of KS / QS
-  Tensor tBW = thr_tok.partition_fragment_B(sW);
-  Tensor tBVn = thr_tok.partition_fragment_B(sVn);
-  Tensor tBVs = thr_state.partition_fragment_B(sVs);
+  Tensor accS = partition_fragment_C(mma_state, Shape<CM, CK>{});  // (v, k) state, fp32
+  Tensor accX = partition_fragment_C(mma_tok, Shape<CM, C64>{});   // (v, t): S^T K^T, then Vn^T
+  Tensor accO = partition_fragment_C(mma_tok, Shape<CM, C64>{});   // (v, t): O^T
+  Tensor crdS = thr_state.partition_C(make_identity_tensor(Shape<CM, CK>{}));
+  Tensor crdTok = thr_tok.partition_C(make_identity_tensor(Shape<CM, C64>{}));
+  // Register A operands, element e at the coordinates of accumulator element e.
+  Tensor fragS = make_tensor<Elem>(shape(thr_tok.partition_A(make_identity_tensor(Shape<CM, CK>{}))));
+  Tensor fragX = make_tensor<Elem>(shape(thr_tok.partition_A(make_identity_tensor(Shape<CM, C64>{}))));
+  Tensor fragVn = make_tensor<Elem>(shape(thr_tok.partition_A(make_identity_tensor(Shape<CM, C64>{}))));
+  Tensor fragVs = make_tensor<Elem>(shape(thr_state.partition_A(make_identity_tensor(Shape<CM, C64>{}))));
+  const int col0 = get<1>(crdTok(0));  // this thread's token columns: col0 + {0, 1} + 8 i
 
   // Initial state (fp32) into the accumulator; zeros without one.
-  const int v0 = vt * Cfg::BlockV;
+  const int v0 = vt * Cfg::BlockV + consumer * kRowsPerConsumer;
   const int64_t state_base = (seq * Cfg::Hv + hv) * int64_t(Cfg::HeadK * Cfg::HeadV);
   auto state_offset = [&](int kk, int vv) -> int64_t {
     return Cfg::StateVFirst ? int64_t(v0 + vv) * Cfg::HeadK + kk : int64_t(kk) * Cfg::HeadV + v0 + vv;
   };
   CUTE_UNROLL
   for (int e = 0; e < size(accS); ++e) {
-    const int kk = get<0>(crdS(e)), vv = get<1>(crdS(e));
+    const int vv = get<0>(crdS(e)), kk = get<1>(crdS(e));
     accS(e) = p.initial_state ? p.initial_state[state_base + state_offset(kk, vv)] : 0.f;
   }
-  auto store_state_smem = [&]() {
-    CUTE_UNROLL
-    for (int e = 0; e < size(accS); e += 2) *word_at(tSsS, e) = pack2<Elem>(accS(e), accS(e + 1));
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, 1);
-  };
-  store_state_smem();
+  to_operand(fragS, accS);
 
   const float* gamma_base = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
   Elem* o_base = p.o + range.start * int64_t(Cfg::Hv * Cfg::HeadV) + int64_t(hv) * Cfg::HeadV + v0;
+  Elem* out_stage = ss.out.data() + consumer * 2 * kChunk * kOutPitch;
 
   for (int c = 0; c < num_chunks; ++c) {
     const int s = c % Stages;
     auto& st = ss.stage[s];
-    // Each thread's accumulator rows are row0 and row0 + 8: keep their gates in registers
-    // (re-reading global memory per element would be ordered behind every shared store).
+    // This thread's 16 token columns' gates (global, written by the prep kernel).
     const float* gamma = gamma_base + int64_t(c) * kChunk;
+    float2 g_pair[8];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) g_pair[i] = __ldg(reinterpret_cast<const float2*>(gamma + col0 + 8 * i));
     const float gamma_last = __ldg(gamma + kChunk - 1);
-    const float gamma_r0 = __ldg(gamma + row0), gamma_r1 = __ldg(gamma + row0 + 8);
-    const float d_r0 = __expf(gamma_r0), d_r1 = __expf(gamma_r1);
-    const float tail_r0 = __expf(gamma_last - gamma_r0), tail_r1 = __expf(gamma_last - gamma_r1);
-    FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
 
     Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
     Tensor sKt = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutKt{});
-    Tensor sV_tv = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutTV{});
+    Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
     Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
     Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
-    Tensor tAQ = thr_tok.partition_fragment_A(sQ);
-    Tensor tAK = thr_tok.partition_fragment_A(sK);
-    Tensor tAAw = thr_tok.partition_fragment_A(sAw);
-    Tensor tAP = thr_tok.partition_fragment_A(sP);
-    Tensor tAKt = thr_state.partition_fragment_A(sKt);
-    Tensor tVsV = thr_tok.partition_C(sV_tv);
+    Tensor tBQ = thr_tok.partition_fragment_B(sQ);
+    Tensor tBK = thr_tok.partition_fragment_B(sK);
+    Tensor tBAw = thr_tok.partition_fragment_B(sAw);
+    Tensor tBP = thr_tok.partition_fragment_B(sP);
+    Tensor tBKt = thr_state.partition_fragment_B(sKt);
+    Tensor tVsV = thr_tok.partition_C(local_tile(sV, Shape<CM, C64>{}, make_coord(consumer, 0)));  // V^T (v, t)
 
-    // KS = K S, QS = Q S
-    warpgroup_fence_operand(accKS);
+    FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
+
+    // Phase 1: S^T K^T (commit group 1, on the chain) and S^T Q^T (group 2, off it).
+    warpgroup_fence_operand(fragS);
+    warpgroup_fence_operand(accX);
     warpgroup_fence_operand(accO);
     warpgroup_arrive();
-    wgmma_gemm(mma_tok, tAK, tBS, accKS, true);
-    wgmma_gemm(mma_tok, tAQ, tBS, accO, true);
+    wgmma_gemm(mma_tok, fragS, tBK, accX, true);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accKS);
-    warpgroup_fence_operand(accO);
-
-    // W = V - D KS -> smem; O <- scale D QS
+    wgmma_gemm(mma_tok, fragS, tBQ, accO, true);
+    warpgroup_commit_batch();
+    // Off the tensor cores while they run: the column decays e^{g}.
+    float decay[16];
     CUTE_UNROLL
-    for (int e = 0; e < size(accKS); e += 2) {
-      const float d = get<0>(crdTok(e)) == row0 ? d_r0 : d_r1;
-      *word_at(tWsW, e) = pack2<Elem>(float(tVsV(e)) - d * accKS(e), float(tVsV(e + 1)) - d * accKS(e + 1));
-      accO(e) *= p.scale * d;
-      accO(e + 1) *= p.scale * d;
+    for (int j = 0; j < 16; ++j) decay[j] = __expf((j % 2) ? g_pair[j / 2].y : g_pair[j / 2].x);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accX);
+
+    // X^T = V^T - (S^T K^T) D, while the tensor cores still run S^T Q^T.
+    CUTE_UNROLL
+    for (int e = 0; e < size(accX); e += 2) {
+      *word_at(fragX, e) = pack2<Elem>(float(tVsV(e)) - decay[column_slot(e)] * accX(e),
+                                       float(tVsV(e + 1)) - decay[column_slot(e + 1)] * accX(e + 1));
     }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, 1);
 
-    // Vn = Aw W
-    warpgroup_fence_operand(accVn);
+    // Phase 2: Vn^T = X^T Aw^T (group 3); meanwhile O^T <- scale (S^T Q^T) D once group 2 is done.
+    warpgroup_fence_operand(fragX);
+    warpgroup_fence_operand(accX);
     warpgroup_arrive();
-    wgmma_gemm(mma_tok, tAAw, tBW, accVn, true);
+    wgmma_gemm(mma_tok, fragX, tBAw, accX, true);
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accVn);
-
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accO);
     CUTE_UNROLL
-    for (int e = 0; e < size(accVn); e += 2) {
-      const float tail = get<0>(crdTok(e)) == row0 ? tail_r0 : tail_r1;
-      *word_at(tVnsVn, e) = pack2<Elem>(accVn(e), accVn(e + 1));
-      *word_at(tVssVs, e) = pack2<Elem>(tail * accVn(e), tail * accVn(e + 1));
+    for (int e = 0; e < size(accO); ++e) accO(e) *= p.scale * decay[column_slot(e)];
+    // e^{gC - g} from the gates again (L1 hits): holding them since phase 1 would cost 16 registers
+    // while S^T's operand copy is still live.
+    float tail[16];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const float2 g = __ldg(reinterpret_cast<const float2*>(gamma + col0 + 8 * i));
+      tail[2 * i] = __expf(gamma_last - g.x);
+      tail[2 * i + 1] = __expf(gamma_last - g.y);
     }
     const float chunk_decay = __expf(gamma_last);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accX);
+
+    CUTE_UNROLL
+    for (int e = 0; e < size(accX); e += 2) {
+      *word_at(fragVn, e) = pack2<Elem>(accX(e), accX(e + 1));
+      *word_at(fragVs, e) = pack2<Elem>(tail[column_slot(e)] * accX(e), tail[column_slot(e + 1)] * accX(e + 1));
+    }
     CUTE_UNROLL
     for (int e = 0; e < size(accS); ++e) accS(e) *= chunk_decay;
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, 1);
 
-    // O += P Vn ; S += K^T Vs
+    // Phase 3: S^T += Vs^T K (group 4, on the chain), then O^T += Vn^T P^T (group 5).
+    warpgroup_fence_operand(fragVn);
+    warpgroup_fence_operand(fragVs);
     warpgroup_fence_operand(accO);
     warpgroup_fence_operand(accS);
     warpgroup_arrive();
-    wgmma_gemm(mma_tok, tAP, tBVn, accO, false);
-    wgmma_gemm(mma_state, tAKt, tBVs, accS, false);
+    wgmma_gemm(mma_state, fragVs, tBKt, accS, false);
     warpgroup_commit_batch();
+    wgmma_gemm(mma_tok, fragVn, tBP, accO, false);
+    warpgroup_commit_batch();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(accS);
+    to_operand(fragS, accS);  // the next chunk's A operand, while O^T += Vn^T P^T runs
     warpgroup_wait<0>();
     warpgroup_fence_operand(accO);
-    warpgroup_fence_operand(accS);
     EmptyBarrier::arrive(&ss.empty[s]);
 
-    // O rows past the sequence end belong to the next sequence: skip them.
+    // O^T -> staging (token, value) rows -> 16-byte global stores of the rows inside the sequence
+    // (rows past its end belong to the next sequence). The staging is double-buffered, so the
+    // next chunk's writes cannot race this chunk's reads: they are a barrier apart.
+    Elem* stage_o = out_stage + (c % 2) * kChunk * kOutPitch;
+    CUTE_UNROLL
+    for (int e = 0; e < size(accO); ++e) {
+      stage_o[get<1>(crdTok(e)) * kOutPitch + get<0>(crdTok(e))] = Elem(accO(e));
+    }
+    cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
     const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
     Elem* o_chunk = o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV);
+    constexpr int kVecs = kRowsPerConsumer * int(sizeof(Elem)) / 16;  // 16-byte vectors per row
     CUTE_UNROLL
-    for (int e = 0; e < size(accO); e += 2) {
-      const int row = get<0>(crdTok(e)), col = get<1>(crdTok(e));
+    for (int i = 0; i < kChunk * kVecs / 128; ++i) {
+      const int idx = ctid + 128 * i, row = idx / kVecs, vec = idx % kVecs;
       if (row < valid)
-        *reinterpret_cast<uint32_t*>(o_chunk + int64_t(row) * (Cfg::Hv * Cfg::HeadV) + col) =
-            pack2<Elem>(accO(e), accO(e + 1));
+        *reinterpret_cast<uint4*>(o_chunk + int64_t(row) * (Cfg::Hv * Cfg::HeadV) + vec * 8) =
+            *reinterpret_cast<const uint4*>(stage_o + row * kOutPitch + vec * 8);
     }
-    store_state_smem();
   }
 
   if (p.final_state) {
     CUTE_UNROLL
     for (int e = 0; e < size(accS); ++e) {
-      const int kk = get<0>(crdS(e)), vv = get<1>(crdS(e));
+      const int vv = get<0>(crdS(e)), kk = get<1>(crdS(e));
       p.final_state[state_base + state_offset(kk, vv)] = accS(e);
     }
   }

@@ -7,7 +7,8 @@
 //   P[i][j]   = scale e^{gamma_i - gamma_j} (q_i . k_j)  (j <= i)
 // Rows and columns past the sequence end are zero, so the sequential kernel needs no masks.
 // K K^T and Q K^T run on the tensor cores (one warp group each); A0 is solved without
-// exponentials (gate-free) for up to kHeadBatch v-heads at once, then the decay mask is applied.
+// exponentials (gate-free), one column per thread for up to kHeadBatch v-heads at once, then the
+// decay mask is applied.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -41,8 +42,8 @@ struct PrepArgs {
 };
 
 constexpr int kPrepThreads = 256;
-constexpr int kPrepPad = kChunk + 1;  // padded rows of 64x64 fp32 tiles (no bank conflicts)
-constexpr int kHeadBatch = 2;         // v-heads whose A0 solves share one pass of 63 barriers
+constexpr int kPrepPad = kChunk + 4;  // padded rows of 64x64 fp32 tiles (16-byte aligned rows)
+constexpr int kHeadBatch = kPrepThreads / kChunk;  // v-heads solved at once: one A0 column per thread
 
 template <class Elem, int HeadK>
 struct PrepConfig {
@@ -54,7 +55,6 @@ struct PrepConfig {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
     float kk[kChunk * kPrepPad];
     float qk[kChunk * kPrepPad];
-    float a0[kHeadBatch][kChunk * kPrepPad];
     float gamma[kHeadBatch][kChunk];
     float beta[kHeadBatch][kChunk];
   };
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(const PrepArgs a
 
   for (int hb = 0; hb < G; hb += kHeadBatch) {
     const int nb = min(kHeadBatch, G - hb);
-    // 3. gate cumsum and beta per head of the batch (padding rows: g = 0, b = 0); A0 := I.
+    // 3. gate cumsum and beta per head of the batch (padding rows: g = 0, b = 0).
     {
       const int warp = tid / 32, lane = tid % 32;
       if (warp < nb) {
@@ -164,49 +164,56 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(const PrepArgs a
         ss.beta[warp][i0] = i0 < L ? args.beta[(tok0 + i0) * Hv + hv] : 0.f;
         ss.beta[warp][i1] = i1 < L ? args.beta[(tok0 + i1) * Hv + hv] : 0.f;
       }
-      for (int idx = tid; idx < nb * kChunk * kChunk; idx += kPrepThreads) {
-        const int h = idx / (kChunk * kChunk), ij = idx % (kChunk * kChunk);
-        ss.a0[h][(ij / kChunk) * kPrepPad + ij % kChunk] = (ij / kChunk == ij % kChunk) ? 1.f : 0.f;
-      }
     }
     __syncthreads();
 
-    // 4. A0 by forward substitution, all heads of the batch together:
-    //    A0[i][c] = -b_i sum_{c <= j < i} (k_i . k_j) A0[j][c]; `per` threads share a column.
+    // 4. A0 one column per thread (head h = tid / 64, column c = tid % 64), by forward
+    //    substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1.
+    //    Columns are independent, so no barrier; the warp reads the same K K^T row (a broadcast).
+    //    Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
     {
-      const int per = kPrepThreads / (nb * kChunk);  // 2 or 4: a power of two within a warp
-      const int col = tid / per, part = tid % per;
-      const int h = col / kChunk, c = col % kChunk;
-      float* a0 = ss.a0[h];
-      for (int i = 1; i < kChunk; ++i) {
-        float acc = 0.f;
-        if (c < i)
-          for (int j = c + part; j < i; j += per) acc = fmaf(ss.kk[i * kPrepPad + j], a0[j * kPrepPad + c], acc);
-        for (int o = 1; o < per; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-        if (c < i && part == 0) a0[i * kPrepPad + c] = -ss.beta[h][i] * acc;
-        __syncthreads();
+      const int h = tid / kChunk, c = tid % kChunk;
+      if (h < nb) {
+        const float* bet = ss.beta[h];
+        float x[kChunk];
+        CUTE_UNROLL
+        for (int i = 0; i < kChunk; ++i) {
+          const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
+          CUTE_UNROLL
+          for (int j4 = 0; j4 < i; j4 += 4) {
+            const float4 kk = row[j4 / 4];
+            const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+            CUTE_UNROLL
+            for (int t = 0; t < 4; ++t)
+              if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+          }
+          const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
+          x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+        }
+        const int hv = hqk * G + hb + h;
+        Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+        const float gc = ss.gamma[h][c], bc = bet[c];
+        CUTE_UNROLL
+        for (int i = 0; i < kChunk; ++i) {
+          const float a = (i < L && c <= i) ? __expf(ss.gamma[h][i] - gc) * x[i] * bc : 0.f;
+          aw[i * kChunk + c] = Elem(a);
+        }
       }
     }
 
-    // 5. Apply the decay mask and write the slot's rows (two columns per store).
+    // 5. P with the decay mask (two columns per store), and the slot's gamma row.
     for (int h = 0; h < nb; ++h) {
       const int hv = hqk * G + hb + h;
       const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-      uint32_t* aw = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.aw) + base);
       uint32_t* pm = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.p) + base);
       const float* gam = ss.gamma[h];
-      const float* bet = ss.beta[h];
       for (int idx = tid; idx < kChunk * kChunk / 2; idx += kPrepThreads) {
         const int i = (2 * idx) / kChunk, j = (2 * idx) % kChunk;
-        float a[2] = {0.f, 0.f}, pv[2] = {0.f, 0.f};
+        float pv[2] = {0.f, 0.f};
         for (int t = 0; t < 2; ++t) {
-          if (i < L && j + t <= i) {
-            const float decay = __expf(gam[i] - gam[j + t]);
-            a[t] = decay * ss.a0[h][i * kPrepPad + j + t] * bet[j + t];
-            pv[t] = args.scale * decay * ss.qk[i * kPrepPad + j + t];
-          }
+          if (i < L && j + t <= i) pv[t] = args.scale * __expf(gam[i] - gam[j + t]) * ss.qk[i * kPrepPad + j + t];
         }
-        aw[idx] = pack2<Elem>(a[0], a[1]);
         pm[idx] = pack2<Elem>(pv[0], pv[1]);
       }
       if (tid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + tid] = gam[min(tid, L - 1)];

@@ -10,12 +10,17 @@ from dataclasses import dataclass
 
 from .spec import GDNSpec, SpecError
 
-# setmaxnreg takes multiples of 8 in [24, 256]. A CTA of 2 warp groups resident ctas_per_sm times
-# on an SM gets 65536 / (256 * ctas_per_sm) registers per thread at launch, a pool its two roles
-# then split with setmaxnreg; shared memory per CTA is at most 227 KB (232448 bytes) on sm_90.
+# setmaxnreg takes multiples of 8 in [24, 256]. A CTA is one producer warp group plus one consumer
+# warp group per 64 state columns (block_v / 64); resident ctas_per_sm times on an SM it gets
+# 65536 / ctas_per_sm registers, a pool its roles then split with setmaxnreg. Shared memory per
+# CTA is at most 227 KB (232448 bytes) on sm_90.
 REGISTERS_PER_SM = 65536
 SHARED_MEMORY_PER_SM = 232448
-THREADS_PER_CTA = 256
+ROWS_PER_CONSUMER = 64        # wgmma M: state columns per consumer warp group
+OUT_PITCH = ROWS_PER_CONSUMER + 8  # padded row of the O staging tile (csrc kOutPitch)
+# A consumer holds the fp32 state slice (64), its 16-bit copy (32) and two 64 x 64 accumulators
+# (64): below this many registers ptxas can only spill.
+MIN_CONSUMER_REGS = 168
 SUPPORTED_HEAD_DIMS = (128,)
 
 
@@ -25,15 +30,24 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class TileParams:
-    block_v: int = 64            # V columns of the state one CTA owns
+    block_v: int = 64            # V columns of the state one CTA owns (64 per consumer warp group)
     stages: int = 2              # shared-memory pipeline depth of the chunk loads
     producer_regs: int = 40      # registers per thread of the TMA producer warp group
-    consumer_regs: int = 232     # registers per thread of the math warp group
+    consumer_regs: int = 232     # registers per thread of each math (consumer) warp group
     ctas_per_sm: int = 1         # CTAs resident per SM (two let two sequential chains share an SM)
 
+    @property
+    def consumers(self) -> int:
+        return self.block_v // ROWS_PER_CONSUMER
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
     def validate(self, spec: GDNSpec) -> None:
-        if self.block_v not in (32, 64, 128) or spec.head_v_dim % self.block_v:
-            raise PlanError(f"block_v={self.block_v} must be 32, 64 or 128 and divide V={spec.head_v_dim}")
+        if self.block_v not in (64, 128) or spec.head_v_dim % self.block_v:
+            raise PlanError(f"block_v={self.block_v} must be 64 or 128 (one or two consumer warp groups) "
+                            f"and divide V={spec.head_v_dim}")
         if self.stages not in (1, 2, 3):
             raise PlanError(f"stages={self.stages} must be 1, 2 or 3")
         for name in ("producer_regs", "consumer_regs"):
@@ -42,28 +56,32 @@ class TileParams:
                 raise PlanError(f"{name}={regs} must be a multiple of 8 in [24, 256] (setmaxnreg)")
         if self.ctas_per_sm not in (1, 2):
             raise PlanError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
-        pool = REGISTERS_PER_SM // (THREADS_PER_CTA * self.ctas_per_sm) * 2
-        if self.producer_regs + self.consumer_regs > pool:
-            raise PlanError(f"producer_regs={self.producer_regs} + consumer_regs={self.consumer_regs} exceed the "
-                            f"{pool} per thread pair that ctas_per_sm={self.ctas_per_sm} leaves")
+        pool = REGISTERS_PER_SM // self.ctas_per_sm
+        used = 128 * (self.producer_regs + self.consumers * self.consumer_regs)
+        if used > pool:
+            raise PlanError(f"producer_regs={self.producer_regs} + {self.consumers} x consumer_regs="
+                            f"{self.consumer_regs} need {used} registers per CTA; ctas_per_sm={self.ctas_per_sm} "
+                            f"leaves {pool}")
         smem = self.shared_memory_bytes(spec)
         if smem * self.ctas_per_sm > SHARED_MEMORY_PER_SM:
             raise PlanError(f"block_v={self.block_v}, stages={self.stages} need {smem} B of shared memory per CTA; "
                             f"{self.ctas_per_sm} CTA(s) per SM allow {SHARED_MEMORY_PER_SM // self.ctas_per_sm} B")
-        # The S accumulator alone takes K * block_v / 128 fp32 registers per consumer thread.
-        state_regs = spec.head_k_dim * self.block_v // 128
-        if state_regs + 64 > self.consumer_regs:
-            raise PlanError(f"consumer_regs={self.consumer_regs} cannot hold the {state_regs}-register state "
-                            f"tile of block_v={self.block_v} plus working registers")
-
+        if self.consumer_regs < MIN_CONSUMER_REGS:
+            raise PlanError(f"consumer_regs={self.consumer_regs} is below {MIN_CONSUMER_REGS}, the registers a "
+                            f"consumer's state slice, its 16-bit copy and two accumulators take")
 
     def shared_memory_bytes(self, spec: GDNSpec) -> int:
         """The main kernel's shared storage (csrc/gdn_fwd_mainloop.cuh SharedStorage), 16-bit
-        elements: per stage q, k [C x K], v [C x block_v], Aw, P [C x C]; then S [K x block_v]
-        and W, Vn, Vs [C x block_v]; then the barriers."""
+        elements: per stage q, k [C x K], v [C x block_v], Aw, P [C x C]; then the double-buffered
+        O staging [2 x C x OUT_PITCH] per consumer; then the barriers (one 1024-byte-aligned tail)."""
         C, K, bv = spec.chunk_size, spec.head_k_dim, self.block_v
         stage = 2 * (2 * C * K + C * bv + 2 * C * C)
-        return self.stages * stage + 2 * (K * bv + 3 * C * bv) + 1024
+        out = 2 * self.consumers * 2 * C * OUT_PITCH
+        return self.stages * stage + _round_up(out + 16 * self.stages, 1024)
+
+
+def _round_up(x: int, to: int) -> int:
+    return (x + to - 1) // to * to
 
 
 @dataclass(frozen=True)

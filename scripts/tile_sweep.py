@@ -17,9 +17,9 @@ from flashqla_tune.plan import KernelPlan, TileParams, default_plan
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import CacheBuilder, GraphTimer, OracleChecker
 
-VARIANTS = [TileParams(), TileParams(block_v=32), TileParams(block_v=32, stages=3), TileParams(stages=3),
-            TileParams(stages=1, producer_regs=24, ctas_per_sm=2),
-            TileParams(block_v=32, stages=1, producer_regs=24, ctas_per_sm=2)]
+VARIANTS = [TileParams(), TileParams(stages=3), TileParams(block_v=128),
+            TileParams(block_v=128, producer_regs=24, consumer_regs=240),
+            TileParams(stages=1, producer_regs=24, ctas_per_sm=2), TileParams(stages=1)]
 # (h_qk, h_v) -> the scoreboard length mixes to time
 ROWS = {(2, 8): [(32768,), (8192,), (1024,) * 8], (16, 64): [(8192,), (8192,) * 4], (8, 32): [(32768,)]}
 

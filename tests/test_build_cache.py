@@ -22,7 +22,7 @@ from flashqla_tune.spec import GDNSpec
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_TEMPLATES = FIXTURES / "templates"
 PLAN = default_plan(GDNSpec(2, 8))
-OTHER = KernelPlan(GDNSpec(2, 8), TileParams(block_v=32))
+OTHER = KernelPlan(GDNSpec(2, 8), TileParams(block_v=128))
 
 
 def _have_toolchain() -> bool:
@@ -282,7 +282,7 @@ def test_cli_cache_ls_and_clear(tc, tmp_path, monkeypatch, capsys):
     assert cli_main(["cache", "ls", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert {e["valid"] for e in listed["entries"]} == {True, False}
-    assert cli_main(["cache", "clear", "bv32"]) == 0
+    assert cli_main(["cache", "clear", "bv128"]) == 0
     assert "removed 1" in capsys.readouterr().out and entry.path.is_dir() and not broken.exists()
     assert cli_main(["cache", "clear"]) == 0
     assert "removed 1" in capsys.readouterr().out and not entry.path.exists()
@@ -336,7 +336,7 @@ def test_ninja_is_idle_when_nothing_changed_and_tracks_headers(tc, tmp_path):
 SHIPPED_PLANS = (
     default_plan(GDNSpec(2, 8)),
     default_plan(GDNSpec(16, 16, qkv_dtype="float16", state_layout="vk", qk_l2norm_in_kernel=True)),
-    KernelPlan(GDNSpec(4, 16), TileParams(block_v=32, stages=3)),
+    KernelPlan(GDNSpec(4, 16), TileParams(block_v=128, producer_regs=24, consumer_regs=240)),
 )
 SPILL_BUDGET_BYTES = 512
 

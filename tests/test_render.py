@@ -39,10 +39,10 @@ def test_context_has_exactly_the_contract_keys():
 
 def test_context_spells_dtype_layout_and_norm():
     spec = GDNSpec(2, 8, qkv_dtype="float16", state_layout="vk", qk_l2norm_in_kernel=True)
-    ctx = render_context(KernelPlan(spec, TileParams(block_v=32, stages=3, producer_regs=24, consumer_regs=240)))
+    ctx = render_context(KernelPlan(spec, TileParams(block_v=128, stages=1, producer_regs=24, consumer_regs=240)))
     assert ctx["element_type"] == "cutlass::half_t"
     assert ctx["state_v_first"] == "true" and ctx["qk_l2norm_in_kernel"] == "true"
-    assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (32, 3, 24, 240)
+    assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (128, 1, 24, 240)
 
 
 def test_plan_json_is_one_ascii_line_for_a_raw_literal():
@@ -63,7 +63,7 @@ def test_render_names_file_after_plan_and_fixes_constants(tmp_path):
 
 def test_distinct_plans_get_distinct_stable_names():
     a = default_plan(GDNSpec(2, 8))
-    b = KernelPlan(GDNSpec(2, 8), TileParams(block_v=32))
+    b = KernelPlan(GDNSpec(2, 8), TileParams(block_v=128))
     c = default_plan(GDNSpec(2, 8, state_layout="vk"))
     assert len({a.name, b.name, c.name}) == 3
     assert a.name == default_plan(GDNSpec(2, 8)).name

@@ -46,11 +46,13 @@ def test_spec_name_and_round_trip():
     (TileParams(stages=4), "stages=4"),
     (TileParams(producer_regs=30), "producer_regs=30 must be a multiple of 8"),
     (TileParams(consumer_regs=264), "consumer_regs=264 must be a multiple of 8 in \\[24, 256\\]"),
-    (TileParams(block_v=128, consumer_regs=160), "cannot hold the 128-register state"),
+    (TileParams(block_v=32), "block_v=32 must be 64 or 128"),
+    (TileParams(consumer_regs=160), "consumer_regs=160 is below 168"),
     (TileParams(ctas_per_sm=3), "ctas_per_sm=3 must be 1 or 2"),
-    (TileParams(ctas_per_sm=2, stages=1), "exceed the 256 per thread pair that ctas_per_sm=2 leaves"),
-    (TileParams(block_v=128, stages=3), "need 279552 B of shared memory per CTA; 1 CTA\\(s\\) per SM allow 232448 B"),
-    (TileParams(block_v=32, stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 116224 B"),
+    (TileParams(ctas_per_sm=2, stages=1), "need 34816 registers per CTA; ctas_per_sm=2 leaves 32768"),
+    (TileParams(block_v=128, consumer_regs=248), "need 68608 registers per CTA; ctas_per_sm=1 leaves 65536"),
+    (TileParams(block_v=128, stages=3), "need 234496 B of shared memory per CTA; 1 CTA\\(s\\) per SM allow 232448 B"),
+    (TileParams(stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 116224 B"),
 ])
 def test_plan_rejects_bad_tiles(tiles, match):
     with pytest.raises(PlanError, match=match):

@@ -43,7 +43,7 @@ class FakeOracleChecker:
 
 
 class SyntheticTimer:
-    """Cost = a smooth function of the tiles, fastest at block_v=32, stages=2, consumer_regs=
+    """Cost = a smooth function of the tiles, fastest at block_v=64, stages=2, consumer_regs=
     232, ctas_per_sm=1; each timing advances the fake clock by seconds_per_trial."""
 
     MIXES = ("1x2048", "1024+7168")
@@ -54,7 +54,7 @@ class SyntheticTimer:
 
     @staticmethod
     def cost(t) -> float:
-        return (1.0 + {32: 0.0, 64: 0.2, 128: 0.5}[t.block_v] + 0.1 * abs(t.stages - 2)
+        return (1.0 + {64: 0.0, 128: 0.3}[t.block_v] + 0.1 * abs(t.stages - 2)
                 + 0.002 * abs(t.consumer_regs - 232) / 8 + 0.001 * abs(t.producer_regs - 40) / 8
                 + 0.05 * (t.ctas_per_sm - 1))
 

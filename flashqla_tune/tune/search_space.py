@@ -12,7 +12,7 @@ from ..spec import GDNSpec
 
 REGISTER_STEPS = tuple(range(24, 257, 8))   # setmaxnreg's legal values
 SPACE: dict[str, tuple[int, ...]] = {
-    "block_v": (32, 64, 128),
+    "block_v": (64, 128),
     "stages": (1, 2, 3),
     "producer_regs": REGISTER_STEPS,
     "consumer_regs": REGISTER_STEPS,
@@ -22,11 +22,10 @@ SPACE: dict[str, tuple[int, ...]] = {
 # the default comes first so every study has its baseline.
 _KNOWN_GOOD = (
     TileParams(),
-    TileParams(block_v=32),
     TileParams(stages=3),
-    TileParams(block_v=32, stages=3),
+    TileParams(block_v=128),
+    TileParams(block_v=128, producer_regs=24, consumer_regs=240),
     TileParams(stages=1, producer_regs=24, ctas_per_sm=2),
-    TileParams(block_v=32, stages=1, producer_regs=24, ctas_per_sm=2),
 )
 
 _mismatch = {f.name for f in dataclasses.fields(TileParams)} ^ set(SPACE)
