@@ -139,6 +139,15 @@ struct FwdParams {
 // Column slot of element e among a thread's N / 4 columns:
 __host__ __device__ constexpr int column_slot(int e) { return (e / 4) * 2 + e % 2; }
 
+// Four 8x8 16-bit tiles from shared memory, transposed: lane l gets, of tile m, the two elements of
+// stored column l / 4 at stored rows 2 (l % 4) and 2 (l % 4) + 1, which is the accumulator layout.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t smem_addr, uint32_t* dst) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(dst[0]), "=r"(dst[1]), "=r"(dst[2]), "=r"(dst[3])
+               : "r"(smem_addr)
+               : "memory");
+}
+
 template <class Frag, class Acc>
 __device__ __forceinline__ void to_operand(Frag& frag, const Acc& acc) {
   static_assert(decltype(size(frag))::value == decltype(size(acc))::value, "fragment and accumulator differ");
@@ -270,24 +279,44 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   }
   to_operand(fragS, accS);
 
+  // V^T in the accumulator layout by ldmatrix.trans: this thread's 16 (row half h, column block i)
+  // 8x8 tiles, tile n = h + 2 i landing in word n; lane l points at stored row (token) 8 i + l % 8
+  // of tile 4 q + l / 8. Byte offsets inside a stage's V tile (the same for every stage).
+  uint32_t v_tile_offset[4];
+  {
+    Tensor sV0 = make_tensor(make_smem_ptr(ss.stage[0].v.data()), typename Cfg::LayoutVt{});
+    const int lane = ctid % 32, warp = ctid / 32;
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const int n = 4 * q + lane / 8, h = n % 2, i = n / 2;
+      const Elem* row = &sV0(consumer * kRowsPerConsumer + 16 * warp + 8 * h, 8 * i + lane % 8);
+      v_tile_offset[q] = uint32_t(reinterpret_cast<const char*>(row) - reinterpret_cast<const char*>(ss.stage[0].v.data()));
+    }
+  }
+
   const float* gamma_base = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
+  // Gates are prefetched one chunk ahead (global loads, ~L2 latency). Slot slot0 + num_chunks
+  // still lies inside the gamma buffer (see gdn_sequences.cuh), so the last prefetch is in bounds.
+  float2 g_next[8];
+  CUTE_UNROLL
+  for (int i = 0; i < 8; ++i) g_next[i] = __ldg(reinterpret_cast<const float2*>(gamma_base + col0 + 8 * i));
   Elem* o_base = p.o + range.start * int64_t(Cfg::Hv * Cfg::HeadV) + int64_t(hv) * Cfg::HeadV + v0;
   Elem* out_stage = ss.out.data() + consumer * 2 * kChunk * kOutPitch;
 
   for (int c = 0; c < num_chunks; ++c) {
     const int s = c % Stages;
     auto& st = ss.stage[s];
-    // This thread's 16 token columns' gates (global, written by the prep kernel).
+    // This thread's 16 token columns' gates (global, written by the prep kernel), then the next
+    // chunk's prefetch.
     const float* gamma = gamma_base + int64_t(c) * kChunk;
     float2 g_pair[8];
     CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) g_pair[i] = __ldg(reinterpret_cast<const float2*>(gamma + col0 + 8 * i));
+    for (int i = 0; i < 8; ++i) g_pair[i] = g_next[i];
     const float gamma_last = __ldg(gamma + kChunk - 1);
 
     Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
     Tensor sKt = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutKt{});
-    Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
     Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
     Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
     Tensor tBQ = thr_tok.partition_fragment_B(sQ);
@@ -295,7 +324,6 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     Tensor tBAw = thr_tok.partition_fragment_B(sAw);
     Tensor tBP = thr_tok.partition_fragment_B(sP);
     Tensor tBKt = thr_state.partition_fragment_B(sKt);
-    Tensor tVsV = thr_tok.partition_C(local_tile(sV, Shape<CM, C64>{}, make_coord(consumer, 0)));  // V^T (v, t)
 
     FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
 
@@ -308,7 +336,15 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     warpgroup_commit_batch();
     wgmma_gemm(mma_tok, fragS, tBQ, accO, true);
     warpgroup_commit_batch();
-    // Off the tensor cores while they run: the column decays e^{g}.
+    // Off the tensor cores while they run: V^T, the next chunk's gates, the column decays e^{g}.
+    uint32_t v_frag[16];
+    const uint32_t v_base = uint32_t(cute::cast_smem_ptr_to_uint(st.v.data()));
+    CUTE_UNROLL
+    for (int q = 0; q < 4; ++q) ldsm_x4_trans(v_base + v_tile_offset[q], v_frag + 4 * q);
+    if (c + 1 < num_chunks) {
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) g_next[i] = __ldg(reinterpret_cast<const float2*>(gamma + kChunk + col0 + 8 * i));
+    }
     float decay[16];
     CUTE_UNROLL
     for (int j = 0; j < 16; ++j) decay[j] = __expf((j % 2) ? g_pair[j / 2].y : g_pair[j / 2].x);
@@ -318,8 +354,10 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     // X^T = V^T - (S^T K^T) D, while the tensor cores still run S^T Q^T.
     CUTE_UNROLL
     for (int e = 0; e < size(accX); e += 2) {
-      *word_at(fragX, e) = pack2<Elem>(float(tVsV(e)) - decay[column_slot(e)] * accX(e),
-                                       float(tVsV(e + 1)) - decay[column_slot(e + 1)] * accX(e + 1));
+      Elem v_pair[2];
+      memcpy(v_pair, &v_frag[e / 2], sizeof(v_pair));
+      *word_at(fragX, e) = pack2<Elem>(float(v_pair[0]) - decay[column_slot(e)] * accX(e),
+                                       float(v_pair[1]) - decay[column_slot(e + 1)] * accX(e + 1));
     }
 
     // Phase 2: Vn^T = X^T Aw^T (group 3); meanwhile O^T <- scale (S^T Q^T) D once group 2 is done.
@@ -342,6 +380,11 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       tail[2 * i + 1] = __expf(gamma_last - g.y);
     }
     const float chunk_decay = __expf(gamma_last);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accS); ++e) accS(e) *= chunk_decay;  // phase 2 does not touch S^T
+    // Pin the scaling before the wait, so it overlaps phase 2 instead of following it.
+    warpgroup_fence_operand(accO);
+    warpgroup_fence_operand(accS);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accX);
 
@@ -350,8 +393,6 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       *word_at(fragVn, e) = pack2<Elem>(accX(e), accX(e + 1));
       *word_at(fragVs, e) = pack2<Elem>(tail[column_slot(e)] * accX(e), tail[column_slot(e + 1)] * accX(e + 1));
     }
-    CUTE_UNROLL
-    for (int e = 0; e < size(accS); ++e) accS(e) *= chunk_decay;
 
     // Phase 3: S^T += Vs^T K (group 4, on the chain), then O^T += Vn^T P^T (group 5).
     warpgroup_fence_operand(fragVn);
