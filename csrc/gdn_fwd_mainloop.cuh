@@ -13,6 +13,7 @@
 // the state goes through shared memory, so a chunk needs no barrier between its phases.
 // The register budget is split between the roles with setmaxnreg.
 #pragma once
+#include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
 #include <stdint.h>
 

@@ -10,6 +10,7 @@
 // exponentials (gate-free), one column per thread for up to kHeadBatch v-heads at once, then the
 // decay mask is applied.
 #pragma once
+#include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
 #include <stdint.h>
 

@@ -1,5 +1,6 @@
 // Small helpers around Hopper wgmma (CuTe SM90 GMMA) and accumulator stores, shared by the kernels.
 #pragma once
+#include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <stdint.h>
 #include <string.h>
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 6's GPU half in one device call. Carry [".whl", ".whl-hf", ".fla"] (about 42 MB):
+#   .whl     nvidia-cutlass, filelock, optuna and its wheels (the H200 image has none of them)
+#   .whl-hf  transformers 5.24 and its wheels, for the shipped model's prefill
+#   .fla     FLA 0.6.0 alone (fla/ + dist-info, from ../shared/tools/anchor-bundle.sh's archive),
+#            the dispatch target and the error bar of the forward tests
+# `tests`: the GPU tests of packs and of the forward. `build`: `flashqla-tune build` of the shipped
+# checkpoint with tuning (TUNE_BUDGET seconds, default 300), leaving its log, the tuning journal
+# and the pack's manifest and calibration in $OUT. One step per call (each fits the 10-minute limit):
+#   bash scripts/h200_pack_session.sh tests ; bash scripts/h200_pack_session.sh build
+set -uo pipefail
+OUT=${OUT:-/tmp/pack_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl .whl-hf/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site . || exit 1
+mkdir -p /tmp/fla && tar -C /tmp/fla -xJf .fla/fla.tar.xz || exit 1
+export PYTHONPATH=/tmp/fla:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 FLASHQLA_TUNE_CACHE=/tmp/fqt-cache
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
+  python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+STEP=${1:-tests}
+if [ "$STEP" = tests ]; then
+timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -s -m gpu tests/test_gpu_pack.py tests/test_gpu_forward.py \
+  -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests rc=$?"; grep -E "passed|failed|error|load \+ first|prefill" "$OUT/gpu_tests.log" | tail -n 8
+exit 0
+fi
+timeout "$(( ${TUNE_BUDGET:-300} + 120 ))" python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
+  build calibrate/data/default_model --out "$OUT/pack" --budget "${TUNE_BUDGET:-300}" --no-progress > "$OUT/build.log" 2>&1
+echo "build rc=$?"; tail -n 25 "$OUT/build.log"
+cp -r /tmp/fqt-cache/tuning "$OUT/tuning" 2>/dev/null
+rm -rf "$OUT/pack/binaries" 2>/dev/null  # binaries stay on the device; the manifest and calibration come back

@@ -1,0 +1,76 @@
+"""Where an eager call's host time goes (issue 5's target: under 30 us per call). On the GPU, for
+2/8 heads and 1x2048 tokens, the mean host time per call of each layer of the call stack, timed over
+back-to-back calls (the GPU runs behind; nothing synchronises inside the loop):
+
+  op        flashqla_tune.ops.chunk_gated_delta_rule (checks, custom-op dispatch, everything)
+  forward   runtime.forward (buffers, the launch struct, the C++ host path)
+  launch    the library call alone with a prepared struct (TMA descriptors, two launches)
+  empty     one torch.empty of the workspace;  stream  torch's current stream handle
+  checks    ops.check_inputs
+
+    python -P scripts/host_overhead.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flashqla_tune import abi, ops, runtime
+
+CALLS = 200
+
+
+def per_call_us(fn) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(CALLS):
+        fn()
+    host = (time.perf_counter_ns() - t0) / CALLS / 1e3
+    torch.cuda.synchronize()
+    return round(host, 2)
+
+
+def main(out_dir: str) -> int:
+    dev, T = "cuda", 2048
+    q = F.normalize(torch.randn(1, T, 2, 128, device=dev), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(1, T, 2, 128, device=dev), dim=-1).bfloat16()
+    v = torch.randn(1, T, 8, 128, device=dev).bfloat16()
+    g = F.logsigmoid(torch.randn(1, T, 8, device=dev)) / 16
+    beta = torch.rand(1, T, 8, device=dev)
+    cu = torch.tensor([0, T], device=dev)
+    h0 = torch.randn(1, 8, 128, 128, device=dev)
+    plan = runtime.default_plan_for(ops.call_spec(q, v, False))
+    lib = runtime.library(plan)
+    o = torch.empty_like(v)
+    final = torch.empty(1, 8, 128, 128, device=dev)
+    workspace = torch.empty(lib.workspace_bytes(T, 1), dtype=torch.uint8, device=dev)
+    args = abi.FqtGdnFwdArgs(
+        q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(), beta=beta.data_ptr(),
+        cu_seqlens=cu.data_ptr(), initial_state=h0.data_ptr(), final_state=final.data_ptr(), o=o.data_ptr(),
+        workspace=workspace.data_ptr(), total_tokens=T, num_seqs=1, scale=128 ** -0.5, use_qk_l2norm=0, reserved=0)
+    stream = runtime.current_stream_handle(v.device)
+    with torch.no_grad():
+        result = {
+            "op": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                                 output_final_state=True, cu_seqlens=cu)),
+            "forward": per_call_us(lambda: runtime.forward(plan, q, k, v, g, beta, cu, h0, 128 ** -0.5, True, False)),
+            "launch": per_call_us(lambda: lib.launch(args, stream)),
+            "empty": per_call_us(lambda: torch.empty(lib.workspace_bytes(T, 1), dtype=torch.uint8, device=dev)),
+            "stream": per_call_us(lambda: runtime.current_stream_handle(v.device)),
+            "checks": per_call_us(lambda: ops.check_inputs(q, k, v, g, beta, h0, cu, None, False)),
+        }
+    result["unit"] = f"us per call, mean of {CALLS} back-to-back calls"
+    print(json.dumps(result))
+    with open(f"{out_dir}/host_overhead.json", "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
