@@ -1,0 +1,69 @@
+"""The layout facts the register-resident chain of csrc/gdn_fwd_mainloop.cuh rests on, checked with
+CuTe itself in a host-only nvcc probe (a new CUTLASS that changed them would break the kernel
+silently, so this test breaks first):
+
+- element e of a 64 x N wgmma accumulator (the kernel's MmaTok with N = 64 and MmaState with
+  N = 128) and element e of the register A fragment of a 64 x 16k operand have the same (row, col),
+  which is what lets `to_operand` turn an accumulator into the next wgmma's A operand;
+- that coordinate is (row0 + 8 ((e / 2) % 2), col0 + e % 2 + 8 (e / 4)), with row0 = 16 (warp) +
+  lane / 4 and col0 = 2 (lane % 4): `column_slot` and the ldmatrix.trans tile order assume it.
+"""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from flashqla_tune.environment import cutlass_include_dir, find_nvcc
+from flashqla_tune.render import csrc_dir
+
+PROBE = r'''
+#include <cstdio>
+#include "gdn_fwd_mainloop.cuh"
+using namespace cute;
+using Cfg = fqt::FwdConfig<cutlass::bfloat16_t, 2, 8, 128, 128, 64, 2, false, 40, 232>;
+
+template <class Mma, int N>
+int check(int tid) {
+  Mma mma;
+  auto thr = mma.get_thread_slice(tid);
+  auto acc = thr.partition_C(make_identity_tensor(Shape<_64, Int<N>>{}));
+  auto frag = thr.partition_A(make_identity_tensor(Shape<_64, Int<N>>{}));
+  const int row0 = 16 * (tid / 32) + (tid % 32) / 4, col0 = 2 * (tid % 4);
+  int bad = int(size(acc)) != int(size(frag));
+  for (int e = 0; e < int(size(acc)); ++e) {
+    const int row = get<0>(acc(e)), col = get<1>(acc(e));
+    bad += row != get<0>(frag(e)) || col != get<1>(frag(e));
+    bad += row != row0 + 8 * ((e / 2) % 2) || col != col0 + e % 2 + 8 * (e / 4);
+    if (N == 64) {  // decay[column_slot(e)] is loaded for column col0 + 8 (j / 2) + j % 2
+      const int j = fqt::column_slot(e);
+      bad += col != col0 + 8 * (j / 2) + j % 2;
+    }
+  }
+  return bad;
+}
+
+int main() {
+  int bad = 0;
+  for (int tid = 0; tid < 128; ++tid) {
+    bad += check<Cfg::MmaTok, 64>(tid);
+    bad += check<Cfg::MmaState, 128>(tid);
+  }
+  std::printf("%d\n", bad);
+}
+'''
+
+
+@pytest.mark.slow
+def test_accumulator_and_register_operand_layouts_agree(tmp_path):
+    try:
+        nvcc = find_nvcc()
+        include = cutlass_include_dir()
+    except Exception as exc:  # noqa: BLE001 - CI has both; a bare machine reports why it skipped
+        pytest.skip(f"no nvcc or CUTLASS headers: {exc}")
+    src, exe = tmp_path / "probe.cu", tmp_path / "probe"
+    src.write_text(PROBE)
+    subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+                    f"-I{csrc_dir()}", f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0"], f"{out[0]} coordinate mismatches: the kernel's fragment assumptions no longer hold"
