@@ -11,7 +11,8 @@
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
-#if defined(CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL) || defined(cuTensorMapEncodeTiled)
+#if defined(CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL) || defined(cuTensorMapEncodeTiled) || \
+    defined(CUTLASS_CUDA_DRIVER_WRAPPER_CALL)
 #error "gdn_driver_entry.cuh must come before every CUTLASS header and own the driver-call switch"
 #endif
 
@@ -20,9 +21,12 @@ namespace fqt {
 inline PFN_cuTensorMapEncodeTiled_v12000 lookup_encode_tiled() {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess)
-    return nullptr;
+#if CUDART_VERSION >= 12050  // the by-version lookup exists from 12.5; CUDA 13 has only it
+  const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
   return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
 }
 

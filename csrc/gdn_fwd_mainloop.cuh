@@ -33,7 +33,7 @@ constexpr int kRowsPerConsumer = 64;  // wgmma M: state rows (values) per consum
 constexpr int kOutPitch = kRowsPerConsumer + 8;  // padded row of the O staging tile (no bank conflicts)
 
 template <class Elem_, int Hqk_, int Hv_, int HeadK_, int HeadV_, int BlockV_, int Stages_, bool StateVFirst_,
-          int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1>
+          int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1, bool OutputGroup_ = false>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int Hqk = Hqk_, Hv = Hv_, HeadK = HeadK_, HeadV = HeadV_;
@@ -42,11 +42,19 @@ struct FwdConfig {
   static constexpr int ProducerRegs = ProducerRegs_, ConsumerRegs = ConsumerRegs_;
   static_assert(BlockV == 64 || BlockV == 128, "block_v is 64 (one consumer warp group) or 128 (two)");
   static constexpr int Consumers = BlockV / kRowsPerConsumer;
-  static constexpr int Threads = 128 * (1 + Consumers);
-  // Launch bounds leave 65536 / CtasPerSm registers per CTA; setmaxnreg moves them between roles.
+  // OutputGroup: a further warp group computes O from the chain's S^T and Vn^T, handed over in
+  // shared memory, so the chain runs only the three GEMMs the next chunk depends on.
+  static constexpr bool OutputGroup = OutputGroup_;
+  static_assert(!OutputGroup || BlockV == 64, "the output warp group pairs with one chain (block_v 64)");
+  static constexpr int Threads = 128 * (1 + Consumers + (OutputGroup ? 1 : 0));
+  // Launch bounds leave 65536 / CtasPerSm registers per CTA, LaunchRegs per thread; setmaxnreg moves
+  // them from the producer to the chains. The output warp group keeps LaunchRegs.
   static constexpr int CtasPerSm = CtasPerSm_;
   static_assert(CtasPerSm == 1 || CtasPerSm == 2, "one or two CTAs per SM");
-  static_assert(128 * (ProducerRegs + Consumers * ConsumerRegs) <= 65536 / CtasPerSm,
+  // The pool is LaunchRegs x Threads (168 x 384 = 64512 for three warp groups), not 65536.
+  static constexpr int LaunchRegs = (65536 / CtasPerSm / Threads) / 8 * 8 < 256 ? (65536 / CtasPerSm / Threads) / 8 * 8 : 256;
+  static_assert(ProducerRegs <= LaunchRegs, "setmaxnreg can only lower the producer's registers");
+  static_assert(128 * (ProducerRegs + Consumers * ConsumerRegs + (OutputGroup ? LaunchRegs : 0)) <= LaunchRegs * Threads,
                 "the register split exceeds the pool the launch bounds leave");
   static_assert(HeadK == 128, "the shared-memory layouts assume K = 128");
   static_assert(HeadV % BlockV == 0, "block_v must divide V");
@@ -71,6 +79,9 @@ struct FwdConfig {
                                                               GMMA::Major::K, GMMA::Major::K>()));
   using MmaState = decltype(make_tiled_mma(GMMA::rs_op_selector<Elem, Elem, float, Shape<CM, CK, C64>,
                                                                 GMMA::Major::K, GMMA::Major::MN>()));
+  // The output warp group's GEMMs read both operands from shared memory (S^T, Vn^T handed over).
+  using MmaOut = decltype(make_tiled_mma(GMMA::ss_op_selector<Elem, Elem, float, Shape<CM, C64, C64>,
+                                                              GMMA::Major::K, GMMA::Major::K>()));
 
   struct Stage {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
@@ -79,13 +90,23 @@ struct FwdConfig {
     cute::array_aligned<Elem, cosize_v<LayoutMat>, 1024> aw;
     cute::array_aligned<Elem, cosize_v<LayoutMat>, 1024> p;
   };
+  // Chain -> output warp group, double-buffered by chunk parity: S^T at the chunk's start (v, k)
+  // and Vn^T (v, t), both K-major A operands of the output GEMMs. A token array without the group.
+  static constexpr int HandoffElems = OutputGroup ? 2 * (cosize_v<LayoutQK> + cosize_v<LayoutMat>) : 8;
   struct alignas(1024) SharedStorage {
     Stage stage[Stages];
     // O^T staged as (token, value) rows per consumer, double-buffered across chunks.
     cute::array_aligned<Elem, Consumers * 2 * kChunk * kOutPitch, 16> out;
+    cute::array_aligned<Elem, HandoffElems, (OutputGroup ? 1024 : 16)> handoff;
     uint64_t full[Stages];
     uint64_t empty[Stages];
+    uint64_t handoff_full[2];
+    uint64_t handoff_empty[2];
   };
+  static __device__ Elem* handoff_s(SharedStorage& ss, int parity) { return ss.handoff.data() + parity * cosize_v<LayoutQK>; }
+  static __device__ Elem* handoff_vn(SharedStorage& ss, int parity) {
+    return ss.handoff.data() + 2 * cosize_v<LayoutQK> + parity * cosize_v<LayoutMat>;
+  }
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t StageTxBytes =
       uint32_t(sizeof(Elem)) * (2 * cosize_v<LayoutQK> + cosize_v<LayoutVt> + 2 * cosize_v<LayoutMat>);
@@ -210,6 +231,85 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
   }
 }
 
+// O^T -> staging (token, value) rows -> 16-byte global stores of the rows inside the sequence (rows
+// past its end belong to the next sequence). The caller alternates two staging buffers by chunk,
+// so the next chunk's writes cannot race this chunk's reads: they are a barrier apart.
+template <class Cfg, class Acc, class Crd>
+__device__ __forceinline__ void store_output_chunk(const Acc& accO, const Crd& crd, typename Cfg::Elem* stage_o,
+                                                   typename Cfg::Elem* o_chunk, int valid, int ctid, int barrier_id) {
+  using Elem = typename Cfg::Elem;
+  CUTE_UNROLL
+  for (int e = 0; e < size(accO); ++e) stage_o[get<1>(crd(e)) * kOutPitch + get<0>(crd(e))] = Elem(accO(e));
+  cutlass::arch::NamedBarrier::sync(128, barrier_id);
+  constexpr int kVecs = kRowsPerConsumer * int(sizeof(Elem)) / 16;  // 16-byte vectors per row
+  CUTE_UNROLL
+  for (int i = 0; i < kChunk * kVecs / 128; ++i) {
+    const int idx = ctid + 128 * i, row = idx / kVecs, vec = idx % kVecs;
+    if (row < valid)
+      *reinterpret_cast<uint4*>(o_chunk + int64_t(row) * (Cfg::Hv * Cfg::HeadV) + vec * 8) =
+          *reinterpret_cast<const uint4*>(stage_o + row * kOutPitch + vec * 8);
+  }
+}
+
+// The output warp group (Cfg::OutputGroup): per chunk, once the chain has handed over S^T (the
+// state at the chunk's start) and Vn^T, O^T = scale (S^T Q^T) D + Vn^T P^T from shared memory.
+template <class Cfg>
+__device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
+                                             const SeqRange& range, int vt, int hv, int ctid) {
+  using Elem = typename Cfg::Elem;
+  using C64 = typename Cfg::C64;
+  using CM = typename Cfg::CM;
+  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  typename Cfg::MmaOut mma;
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor accO = partition_fragment_C(mma, Shape<CM, C64>{});
+  Tensor crd = thr.partition_C(make_identity_tensor(Shape<CM, C64>{}));
+  const int col0 = get<1>(crd(0));
+  const float* gamma_base = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
+  Elem* o_base = p.o + range.start * int64_t(Cfg::Hv * Cfg::HeadV) + int64_t(hv) * Cfg::HeadV + vt * Cfg::BlockV;
+  const int num_chunks = int(range.num_chunks());
+  for (int c = 0; c < num_chunks; ++c) {
+    const int s = c % Cfg::Stages, parity = c % 2;
+    const float* gamma = gamma_base + int64_t(c) * kChunk;
+    float decay[16];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const float2 g = __ldg(reinterpret_cast<const float2*>(gamma + col0 + 8 * i));
+      decay[2 * i] = p.scale * __expf(g.x);
+      decay[2 * i + 1] = p.scale * __expf(g.y);
+    }
+    auto& st = ss.stage[s];
+    Tensor tAS = thr.partition_fragment_A(make_tensor(make_smem_ptr(Cfg::handoff_s(ss, parity)), typename Cfg::LayoutQK{}));
+    Tensor tAVn = thr.partition_fragment_A(make_tensor(make_smem_ptr(Cfg::handoff_vn(ss, parity)), typename Cfg::LayoutMat{}));
+    Tensor tBQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{}));
+    Tensor tBP = thr.partition_fragment_B(make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{}));
+    FullBarrier::wait(&ss.full[s], (c / Cfg::Stages) & 1);
+    Barrier::wait(&ss.handoff_full[parity], (c / 2) & 1);
+
+    warpgroup_fence_operand(accO);
+    warpgroup_arrive();
+    wgmma_gemm(mma, tAS, tBQ, accO, true);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accO);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accO); ++e) accO(e) *= decay[column_slot(e)];
+    warpgroup_fence_operand(accO);
+    warpgroup_arrive();
+    wgmma_gemm(mma, tAVn, tBP, accO, false);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(accO);
+    Barrier::arrive(&ss.handoff_empty[parity]);
+    cutlass::arch::ClusterBarrier::arrive(&ss.empty[s]);
+
+    const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
+    store_output_chunk<Cfg>(accO, crd, ss.out.data() + parity * kChunk * kOutPitch,
+                            o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1);
+  }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(CUTE_GRID_CONSTANT const FwdParams<Cfg> p) {
   using Elem = typename Cfg::Elem;
@@ -234,7 +334,11 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
       FullBarrier::init(&ss.full[s], 1);
-      EmptyBarrier::init(&ss.empty[s], 128 * Cfg::Consumers);
+      EmptyBarrier::init(&ss.empty[s], 128 * (Cfg::Consumers + (Cfg::OutputGroup ? 1 : 0)));
+    }
+    for (int i = 0; i < 2; ++i) {
+      EmptyBarrier::init(&ss.handoff_full[i], 128);
+      EmptyBarrier::init(&ss.handoff_empty[i], 128);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -244,6 +348,12 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     cutlass::arch::warpgroup_reg_dealloc<Cfg::ProducerRegs>();
     if (threadIdx.x == 0) produce_chunks<Cfg>(p, ss, range, vt, hv, hqk);
     return;
+  }
+  if constexpr (Cfg::OutputGroup) {
+    if (warp_group == 1 + Cfg::Consumers) {  // keeps the launch-time registers
+      output_group<Cfg>(p, ss, range, vt, hv, threadIdx.x - 128 * warp_group);
+      return;
+    }
   }
 
   // ---------------- consumers: rows [v0, v0 + 64) of S^T ----------------
@@ -327,16 +437,41 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     Tensor tBKt = thr_state.partition_fragment_B(sKt);
 
     FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
+    const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
+    if (valid < kChunk) {
+      // A tail chunk's rows past the sequence end hold the next sequence's tokens or tokens no
+      // sequence owns (whatever the caller's tensor or the workspace holds there). Their weights
+      // in Aw and K^T Vs are zero, but 0 x NaN is NaN, so K's and V's padding rows are zeroed
+      // before any GEMM reads them. Every consumer takes part: they share the stage.
+      Tensor sKz = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});  // (t, k)
+      Tensor sVz = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});  // (v, t)
+      const int tid = ctid + 128 * consumer, stride = 128 * Cfg::Consumers;
+      for (int idx = tid; idx < (kChunk - valid) * Cfg::HeadK; idx += stride)
+        sKz(valid + idx / Cfg::HeadK, idx % Cfg::HeadK) = Elem(0.f);
+      for (int idx = tid; idx < (kChunk - valid) * Cfg::BlockV; idx += stride)
+        sVz(idx % Cfg::BlockV, valid + idx / Cfg::BlockV) = Elem(0.f);
+      cutlass::arch::fence_view_async_shared();  // generic stores, read by wgmma (async proxy)
+      cutlass::arch::NamedBarrier::sync(stride, 1 + Cfg::Consumers);
+    }
 
     // Phase 1: S^T K^T (commit group 1, on the chain) and S^T Q^T (group 2, off it).
     warpgroup_fence_operand(fragS);
     warpgroup_fence_operand(accX);
-    warpgroup_fence_operand(accO);
+    if constexpr (!Cfg::OutputGroup) warpgroup_fence_operand(accO);
     warpgroup_arrive();
     wgmma_gemm(mma_tok, fragS, tBK, accX, true);
     warpgroup_commit_batch();
-    wgmma_gemm(mma_tok, fragS, tBQ, accO, true);
-    warpgroup_commit_batch();
+    if constexpr (!Cfg::OutputGroup) {
+      wgmma_gemm(mma_tok, fragS, tBQ, accO, true);
+      warpgroup_commit_batch();
+    } else {
+      // Hand S^T (this chunk's start state) to the output warp group once it is done with the
+      // buffer two chunks back; wgmma only reads fragS, so storing it now is safe.
+      if (c >= 2) EmptyBarrier::wait(&ss.handoff_empty[c % 2], ((c / 2) & 1) ^ 1);
+      Tensor tHS = thr_tok.partition_C(make_tensor(make_smem_ptr(Cfg::handoff_s(ss, c % 2)), typename Cfg::LayoutQK{}));
+      CUTE_UNROLL
+      for (int e = 0; e < size(fragS); e += 2) *word_at(tHS, e) = *word_at(fragS, e);
+    }
     // Off the tensor cores while they run: V^T, the next chunk's gates, the column decays e^{g}.
     uint32_t v_frag[16];
     const uint32_t v_base = uint32_t(cute::cast_smem_ptr_to_uint(st.v.data()));
@@ -349,7 +484,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     float decay[16];
     CUTE_UNROLL
     for (int j = 0; j < 16; ++j) decay[j] = __expf((j % 2) ? g_pair[j / 2].y : g_pair[j / 2].x);
-    warpgroup_wait<1>();
+    warpgroup_wait<Cfg::OutputGroup ? 0 : 1>();
     warpgroup_fence_operand(accX);
 
     // X^T = V^T - (S^T K^T) D, while the tensor cores still run S^T Q^T.
@@ -367,10 +502,13 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     warpgroup_arrive();
     wgmma_gemm(mma_tok, fragX, tBAw, accX, true);
     warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accO);
-    CUTE_UNROLL
-    for (int e = 0; e < size(accO); ++e) accO(e) *= p.scale * decay[column_slot(e)];
+    if constexpr (!Cfg::OutputGroup) {
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accO);
+      CUTE_UNROLL
+      for (int e = 0; e < size(accO); ++e) accO(e) *= p.scale * decay[column_slot(e)];
+      warpgroup_fence_operand(accO);
+    }
     // e^{gC - g} from the gates again (L1 hits): holding them since phase 1 would cost 16 registers
     // while S^T's operand copy is still live.
     float tail[16];
@@ -384,7 +522,6 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     CUTE_UNROLL
     for (int e = 0; e < size(accS); ++e) accS(e) *= chunk_decay;  // phase 2 does not touch S^T
     // Pin the scaling before the wait, so it overlaps phase 2 instead of following it.
-    warpgroup_fence_operand(accO);
     warpgroup_fence_operand(accS);
     warpgroup_wait<0>();
     warpgroup_fence_operand(accX);
@@ -394,42 +531,38 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       *word_at(fragVn, e) = pack2<Elem>(accX(e), accX(e + 1));
       *word_at(fragVs, e) = pack2<Elem>(tail[column_slot(e)] * accX(e), tail[column_slot(e + 1)] * accX(e + 1));
     }
+    if constexpr (Cfg::OutputGroup) {  // hand Vn^T over, then signal: S^T and Vn^T are in place
+      Tensor tHVn = thr_tok.partition_C(make_tensor(make_smem_ptr(Cfg::handoff_vn(ss, c % 2)), typename Cfg::LayoutMat{}));
+      CUTE_UNROLL
+      for (int e = 0; e < size(fragVn); e += 2) *word_at(tHVn, e) = *word_at(fragVn, e);
+      cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by the other group's wgmma
+      EmptyBarrier::arrive(&ss.handoff_full[c % 2]);
+    }
 
     // Phase 3: S^T += Vs^T K (group 4, on the chain), then O^T += Vn^T P^T (group 5).
     warpgroup_fence_operand(fragVn);
     warpgroup_fence_operand(fragVs);
-    warpgroup_fence_operand(accO);
+    if constexpr (!Cfg::OutputGroup) warpgroup_fence_operand(accO);
     warpgroup_fence_operand(accS);
     warpgroup_arrive();
     wgmma_gemm(mma_state, fragVs, tBKt, accS, false);
     warpgroup_commit_batch();
-    wgmma_gemm(mma_tok, fragVn, tBP, accO, false);
-    warpgroup_commit_batch();
-    warpgroup_wait<1>();
-    warpgroup_fence_operand(accS);
-    to_operand(fragS, accS);  // the next chunk's A operand, while O^T += Vn^T P^T runs
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(accO);
-    EmptyBarrier::arrive(&ss.empty[s]);
-
-    // O^T -> staging (token, value) rows -> 16-byte global stores of the rows inside the sequence
-    // (rows past its end belong to the next sequence). The staging is double-buffered, so the
-    // next chunk's writes cannot race this chunk's reads: they are a barrier apart.
-    Elem* stage_o = out_stage + (c % 2) * kChunk * kOutPitch;
-    CUTE_UNROLL
-    for (int e = 0; e < size(accO); ++e) {
-      stage_o[get<1>(crdTok(e)) * kOutPitch + get<0>(crdTok(e))] = Elem(accO(e));
-    }
-    cutlass::arch::NamedBarrier::sync(128, 1 + consumer);
-    const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
-    Elem* o_chunk = o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV);
-    constexpr int kVecs = kRowsPerConsumer * int(sizeof(Elem)) / 16;  // 16-byte vectors per row
-    CUTE_UNROLL
-    for (int i = 0; i < kChunk * kVecs / 128; ++i) {
-      const int idx = ctid + 128 * i, row = idx / kVecs, vec = idx % kVecs;
-      if (row < valid)
-        *reinterpret_cast<uint4*>(o_chunk + int64_t(row) * (Cfg::Hv * Cfg::HeadV) + vec * 8) =
-            *reinterpret_cast<const uint4*>(stage_o + row * kOutPitch + vec * 8);
+    if constexpr (!Cfg::OutputGroup) {
+      wgmma_gemm(mma_tok, fragVn, tBP, accO, false);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(accS);
+      to_operand(fragS, accS);  // the next chunk's A operand, while O^T += Vn^T P^T runs
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accO);
+      EmptyBarrier::arrive(&ss.empty[s]);
+      store_output_chunk<Cfg>(accO, crdTok, out_stage + (c % 2) * kChunk * kOutPitch,
+                              o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1 + consumer);
+    } else {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accS);
+      EmptyBarrier::arrive(&ss.empty[s]);
+      to_operand(fragS, accS);
     }
   }
 

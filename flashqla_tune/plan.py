@@ -35,6 +35,7 @@ class TileParams:
     producer_regs: int = 40      # registers per thread of the TMA producer warp group
     consumer_regs: int = 232     # registers per thread of each math (consumer) warp group
     ctas_per_sm: int = 1         # CTAs resident per SM (two let two sequential chains share an SM)
+    output_group: int = 0        # 1: a further warp group computes O from the chain's handed-over S and Vn
 
     @property
     def consumers(self) -> int:
@@ -42,7 +43,13 @@ class TileParams:
 
     @property
     def threads(self) -> int:
-        return 128 * (1 + self.consumers)
+        return 128 * (1 + self.consumers + self.output_group)
+
+    def launch_regs(self) -> int:
+        """Registers per thread at launch (what the output warp group keeps): the SM's registers
+        over the resident threads, rounded down to setmaxnreg's step, at most 256. The CTA's pool is
+        this times its threads (168 x 384 = 64512 for three warp groups, not 65536)."""
+        return min(256, REGISTERS_PER_SM // self.ctas_per_sm // self.threads // 8 * 8)
 
     def validate(self, spec: GDNSpec) -> None:
         if self.block_v not in (64, 128) or spec.head_v_dim % self.block_v:
@@ -56,11 +63,22 @@ class TileParams:
                 raise PlanError(f"{name}={regs} must be a multiple of 8 in [24, 256] (setmaxnreg)")
         if self.ctas_per_sm not in (1, 2):
             raise PlanError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
-        pool = REGISTERS_PER_SM // self.ctas_per_sm
-        used = 128 * (self.producer_regs + self.consumers * self.consumer_regs)
+        if self.output_group not in (0, 1):
+            raise PlanError(f"output_group={self.output_group} must be 0 or 1")
+        if self.output_group and self.block_v != 64:
+            raise PlanError(f"output_group=1 pairs the output warp group with one chain: block_v must be 64, "
+                            f"not {self.block_v}")
+        launch = self.launch_regs()
+        pool = launch * self.threads
+        used = 128 * (self.producer_regs + self.consumers * self.consumer_regs + self.output_group * launch)
+        if self.producer_regs > launch:  # the producer's setmaxnreg only lowers its count
+            raise PlanError(f"producer_regs={self.producer_regs} exceeds the {launch} registers per thread at "
+                            f"launch ({self.threads} threads, ctas_per_sm={self.ctas_per_sm}); setmaxnreg can only "
+                            f"lower it")
         if used > pool:
+            extra = f" + the output warp group's {self.launch_regs()}" if self.output_group else ""
             raise PlanError(f"producer_regs={self.producer_regs} + {self.consumers} x consumer_regs="
-                            f"{self.consumer_regs} need {used} registers per CTA; ctas_per_sm={self.ctas_per_sm} "
+                            f"{self.consumer_regs}{extra} need {used} registers per CTA; ctas_per_sm={self.ctas_per_sm} "
                             f"leaves {pool}")
         smem = self.shared_memory_bytes(spec)
         if smem * self.ctas_per_sm > SHARED_MEMORY_PER_SM:
@@ -73,11 +91,13 @@ class TileParams:
     def shared_memory_bytes(self, spec: GDNSpec) -> int:
         """The main kernel's shared storage (csrc/gdn_fwd_mainloop.cuh SharedStorage), 16-bit
         elements: per stage q, k [C x K], v [C x block_v], Aw, P [C x C]; then the double-buffered
-        O staging [2 x C x OUT_PITCH] per consumer; then the barriers (one 1024-byte-aligned tail)."""
+        O staging [2 x C x OUT_PITCH] per consumer; the output warp group's handoff, S [C x K] and
+        Vn [C x C] twice (a 16-byte token without the group); then the barriers."""
         C, K, bv = spec.chunk_size, spec.head_k_dim, self.block_v
         stage = 2 * (2 * C * K + C * bv + 2 * C * C)
         out = 2 * self.consumers * 2 * C * OUT_PITCH
-        return self.stages * stage + _round_up(out + 16 * self.stages, 1024)
+        handoff = 2 * 2 * (C * K + C * C) if self.output_group else 16
+        return self.stages * stage + _round_up(_round_up(out, 1024) + handoff + 16 * self.stages + 32, 1024)
 
 
 def _round_up(x: int, to: int) -> int:
@@ -104,7 +124,9 @@ class KernelPlan:
     def name(self) -> str:
         t = self.tiles
         occupancy = f"_c{t.ctas_per_sm}" if t.ctas_per_sm != 1 else ""
-        return f"{self.spec.name}__bv{t.block_v}_st{t.stages}_r{t.producer_regs}x{t.consumer_regs}{occupancy}"
+        output = "_og" if t.output_group else ""
+        return (f"{self.spec.name}__bv{t.block_v}_st{t.stages}_r{t.producer_regs}x{t.consumer_regs}"
+                f"{occupancy}{output}")
 
     def to_dict(self) -> dict:
         return {"spec": self.spec.to_dict(), "tiles": dataclasses.asdict(self.tiles)}

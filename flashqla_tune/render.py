@@ -91,6 +91,7 @@ def render_context(plan: KernelPlan) -> dict:
         "producer_regs": t.producer_regs,
         "consumer_regs": t.consumer_regs,
         "ctas_per_sm": t.ctas_per_sm,
+        "output_group": _cbool(bool(t.output_group)),
     }
 
 

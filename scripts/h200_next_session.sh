@@ -21,7 +21,7 @@ case "${1:-tests}" in
     timeout 330 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
     tail -n 3 "$OUT/gpu_tests.log"
     timeout 60 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2
-    timeout 60 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
+    timeout 150 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
   scoreboard)
     PYTHONPATH=$PYTHONPATH timeout 540 bash scripts/h200_scoreboard.sh --quick --impl flashqla_tune --impl fla \
       --impl flashqla > "$OUT/scoreboard_run.log" 2>&1

@@ -19,7 +19,8 @@ from flashqla_tune.tune.measure import CacheBuilder, GraphTimer, OracleChecker
 
 VARIANTS = [TileParams(), TileParams(stages=3), TileParams(block_v=128),
             TileParams(block_v=128, producer_regs=24, consumer_regs=240),
-            TileParams(stages=1, producer_regs=24, ctas_per_sm=2), TileParams(stages=1)]
+            TileParams(stages=1, producer_regs=24, ctas_per_sm=2), TileParams(stages=1),
+            TileParams(output_group=1), TileParams(output_group=1, producer_regs=24, consumer_regs=240)]
 # (h_qk, h_v) -> the scoreboard length mixes to time
 ROWS = {(2, 8): [(32768,), (8192,), (1024,) * 8], (16, 64): [(8192,), (8192,) * 4], (8, 32): [(32768,)]}
 

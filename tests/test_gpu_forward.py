@@ -209,6 +209,26 @@ def test_int32_offsets_and_empty_sequences():
         assert torch.equal(s64[n], inp["initial_state"][n])
 
 
+def test_rows_no_sequence_owns_do_not_leak():
+    """cu_seqlens[-1] < T: the rows past it belong to no sequence and may hold anything (here NaN).
+    The last sequence's tail chunk loads them; its output and final state must equal the run on
+    the owned rows alone, bit for bit (the kernel zeroes a tail chunk's padding rows of K and V)."""
+    inp = make_case(10, [300, 477, 223], 2, 8, torch.bfloat16, "mixed", True, False)
+    owned = 777
+    cu = torch.tensor([0, 300, owned], device=DEV)
+    poisoned = {n: inp[n].clone() for n in ("q", "k", "v", "g", "beta")}
+    for t in poisoned.values():
+        t[:, owned:] = float("nan")
+    with torch.no_grad():
+        o_bad, s_bad = ops.chunk_gated_delta_rule(*(poisoned[n] for n in ("q", "k", "v", "g", "beta")),
+                                                  initial_state=inp["initial_state"][:2], output_final_state=True,
+                                                  cu_seqlens=cu)
+        o_ref, s_ref = ops.chunk_gated_delta_rule(*(inp[n][:, :owned] for n in ("q", "k", "v", "g", "beta")),
+                                                  initial_state=inp["initial_state"][:2], output_final_state=True,
+                                                  cu_seqlens=cu)
+    assert torch.equal(o_bad[:, :owned], o_ref) and torch.equal(s_bad, s_ref)
+
+
 def test_malformed_offsets_never_fault():
     """cu_seqlens is clamped in the kernels: garbage offsets give garbage rows, never a fault."""
     inp = make_case(9, [300, 200], 2, 8, torch.bfloat16, "mixed", True, False)

@@ -9,6 +9,7 @@ kernels, with the same top-1 token at >= 99% of positions (issue 6).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -32,6 +33,7 @@ DEV = "cuda"
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory):
+    pytest.importorskip("transformers")  # the build calibrates the model through its own layers
     out = tmp_path_factory.mktemp("pack") / "default_pack"
     build_pack(default_model_path(), out, tune=False, progress=False)
     return out
@@ -48,7 +50,14 @@ def _inputs(seed, T, hqk, hv, dtype=torch.bfloat16):
     return q, k, v, g, beta, h0
 
 
-def test_load_and_first_call_are_fast_and_compile_nothing(pack, capsys):
+def test_load_and_first_call_compile_nothing(pack, capsys, monkeypatch):
+    from flashqla_tune import cache
+
+    def no_build(*args, **kwargs):  # a pack carries its binaries: reaching the compiler is a bug
+        raise AssertionError("loading or calling a pack reached the kernel build")
+
+    monkeypatch.setattr(cache, "get_kernel", no_build)
+    monkeypatch.setattr(cache, "get_kernels", no_build)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     ops = load(pack)
@@ -56,7 +65,7 @@ def test_load_and_first_call_are_fast_and_compile_nothing(pack, capsys):
     o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, layer=0)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    with capsys.disabled():
+    with capsys.disabled():  # the time is reported for the docs (issue 6: under one second), not asserted
         print(f"\nload + first call: {seconds:.3f} s ({ops!r})")
     assert torch.isfinite(o).all()
 
@@ -105,6 +114,9 @@ def test_shipped_model_prefill_through_fla_dispatch(pack, capsys):
             dispatched = model(ids).logits.float()
         finally:
             cls.pack_ops.chunk_gated_delta_rule = original
+            # FLA reads its dispatch switch at import; this per-call switch turns the pack off again
+            # so later FLA calls in the process (e.g. another test's reference) run FLA's own kernels.
+            os.environ["FLA_FLASHQLA_TUNE"] = "0"
     gdn_layers = sum(t == "linear_attention" for t in model.config.layer_types)
     err = rel_l2(dispatched, reference)
     top1 = (dispatched.argmax(-1) == reference.argmax(-1)).float().mean().item()

@@ -15,7 +15,7 @@ from flashqla_tune.spec import GDNSpec
 FIXTURE_TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 CONTRACT_KEYS = {"plan_name", "plan_json", "abi_version", "num_qk_heads", "num_v_heads", "head_k_dim", "head_v_dim",
                  "chunk_size", "element_type", "state_v_first", "qk_l2norm_in_kernel", "block_v", "stages",
-                 "producer_regs", "consumer_regs", "ctas_per_sm"}
+                 "producer_regs", "consumer_regs", "ctas_per_sm", "output_group"}
 
 
 def fixture_renderer() -> Renderer:
@@ -31,7 +31,7 @@ def test_context_has_exactly_the_contract_keys():
     assert (ctx["num_qk_heads"], ctx["num_v_heads"], ctx["head_k_dim"], ctx["head_v_dim"], ctx["chunk_size"]) == \
         (4, 16, 128, 128, 64)
     assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (64, 2, 40, 232)
-    assert ctx["ctas_per_sm"] == 1
+    assert ctx["ctas_per_sm"] == 1 and ctx["output_group"] == "false"
     assert ctx["element_type"] == "cutlass::bfloat16_t"
     assert ctx["state_v_first"] == "false" and ctx["qk_l2norm_in_kernel"] == "false"
     assert json.loads(ctx["plan_json"]) == plan.to_dict()

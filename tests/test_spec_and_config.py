@@ -50,7 +50,12 @@ def test_spec_name_and_round_trip():
     (TileParams(consumer_regs=160), "consumer_regs=160 is below 168"),
     (TileParams(ctas_per_sm=3), "ctas_per_sm=3 must be 1 or 2"),
     (TileParams(ctas_per_sm=2, stages=1), "need 34816 registers per CTA; ctas_per_sm=2 leaves 32768"),
-    (TileParams(block_v=128, consumer_regs=248), "need 68608 registers per CTA; ctas_per_sm=1 leaves 65536"),
+    (TileParams(block_v=128, consumer_regs=248), "need 68608 registers per CTA; ctas_per_sm=1 leaves 64512"),
+    # three warp groups launch with 168 registers each: the pool is 64512, so 32 + 2 x 240 would hang
+    (TileParams(block_v=128, producer_regs=32, consumer_regs=240), "need 65536 registers per CTA; ctas_per_sm=1 leaves 64512"),
+    (TileParams(block_v=128, producer_regs=176, consumer_regs=168), "producer_regs=176 exceeds the 168 registers"),
+    (TileParams(block_v=128, output_group=1), "output_group=1 pairs the output warp group with one chain"),
+    (TileParams(output_group=2), "output_group=2 must be 0 or 1"),
     (TileParams(block_v=128, stages=3), "need 234496 B of shared memory per CTA; 1 CTA\\(s\\) per SM allow 232448 B"),
     (TileParams(stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 116224 B"),
 ])

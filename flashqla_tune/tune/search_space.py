@@ -17,6 +17,7 @@ SPACE: dict[str, tuple[int, ...]] = {
     "producer_regs": REGISTER_STEPS,
     "consumer_regs": REGISTER_STEPS,
     "ctas_per_sm": (1, 2),
+    "output_group": (0, 1),
 }
 # Hand-picked variants that built and passed the oracle on the H200 (scripts/tile_sweep.py);
 # the default comes first so every study has its baseline.
