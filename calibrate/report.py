@@ -20,6 +20,17 @@ def _q(level: float) -> int:
     return QUANTILE_LEVELS.index(level)
 
 
+def summary(cal: Calibration) -> list[str]:
+    """The short summary printed at the end of a calibration (the CLI and `flashqla-tune build`)."""
+    heads = [h for layer in cal.layers for h in layer.heads]
+    exact = sum(h.n_h is None for h in heads)
+    return [f"calibrated {cal.checkpoint_path} ({cal.family}): {len(cal.layers)} GDN layers x "
+            f"{len(cal.layers[0].heads)} v-heads on {cal.corpus['num_tokens']} tokens in {cal.run['seconds']:.1f} s "
+            f"({cal.run['device']})",
+            *("  " + line for line in cal.summary_lines()),
+            f"  {len(heads) - exact} warm-up heads, {exact} exact; model-wide table {cal.model_table()}"]
+
+
 def markdown(cal: Calibration) -> str:
     s = cal.settings
     heads = len(cal.layers[0].heads)

@@ -110,6 +110,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     from .calibrate.default_model import default_model_path
     from .calibrate.hashing import checkpoint_hash
     from .calibrate.pipeline import calibrate_checkpoint
+    from .calibrate.report import summary
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     ckpt = Path(checkpoint) if checkpoint is not None else default_model_path()
@@ -142,6 +143,8 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         cal = calibrate_checkpoint(ckpt, corpus, out_dir=staging, seq_len=seq_len, max_sequences=max_sequences,
                                    progress=progress).calibration
         seconds["calibrate"] = time.perf_counter() - t
+        for line in summary(cal):
+            log(line)
         if cal.checkpoint_sha256 != sha:
             raise PackError(f"{ckpt} changed while it was being calibrated ({sha[:16]} -> "
                             f"{cal.checkpoint_sha256[:16]}); build again")

@@ -29,8 +29,9 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(tmp_path / "cache"))
     pack = tmp_path / "pack"
     assert main(["build", str(default_model_path()), "--out", str(pack), "--tp", "1,2", "--no-tune", *SMALL]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "untuned sm_90a pack" in out
+    assert "5 GDN layers x 8 v-heads" in err and "layer 0: " in err  # the calibration summary
     m = read_manifest(pack)
     assert not m.tuned and m.gpu["arch"] == "sm_90a" and m.tp_sizes == (1, 2)
     assert sorted((p.tp_size, p.form, p.heads) for p in m.plans) == [

@@ -23,20 +23,13 @@ def add_parser(sub):
 
 def run(args) -> int:
     from ..calibrate.pipeline import calibrate_checkpoint
+    from ..calibrate.report import summary
     from ..calibrate.settings import CalibrationSettings
 
     settings = CalibrationSettings(eps=args.eps, max_window=args.max_window, quantile=args.quantile)
     res = calibrate_checkpoint(args.checkpoint, args.corpus, settings, args.out, seq_len=args.seq_len,
                                max_sequences=args.max_sequences, batch_size=args.batch_size, device=args.device,
                                offload=args.offload, progress=not args.no_progress)
-    cal = res.calibration
-    heads = [h for layer in cal.layers for h in layer.heads]
-    exact = sum(h.n_h is None for h in heads)
-    print(f"calibrated {cal.checkpoint_path} ({cal.family}): {len(cal.layers)} GDN layers x "
-          f"{len(cal.layers[0].heads)} v-heads on {cal.corpus['num_tokens']} tokens in {cal.run['seconds']:.1f} s "
-          f"({cal.run['device']})")
-    for line in cal.summary_lines():
-        print("  " + line)
-    print(f"  {len(heads) - exact} warm-up heads, {exact} exact; model-wide table {cal.model_table()}")
+    print("\n".join(summary(res.calibration)))
     print(f"artifact {res.artifact}\nreport   {res.report}\nfigure   {res.figure}")
     return 0
