@@ -3,7 +3,7 @@
 //
 // Warp group 0 is the producer: one thread streams each chunk's q, k, v and the prepared Aw
 // and P tiles into a ring of shared-memory stages with TMA (bulk tensor copies completing on
-// mbarriers). Each further warp group ("consumer") owns 64 rows (values) of S^T and runs, per chunk,
+// mbarriers). Each consumer warp group (one per 64 state columns) owns 64 rows (values) of S^T and runs, per chunk,
 // three dependent wgmma phases whose A operands never leave registers (the accumulator layout of
 // one wgmma is the A-fragment layout of the next, as in FlashAttention-3):
 //   1. X^T = V^T - (S^T K^T) D        and  O^T = scale (S^T Q^T) D      (A = S^T, bf16/fp16)
@@ -11,6 +11,9 @@
 //   3. O^T += Vn^T P^T                and  S^T = e^{gC} S^T + Vn^T diag(e^{gC - g}) K
 // with D = diag(e^{g}). Only K, Q, Aw, P (B operands) and V come from shared memory; nothing of
 // the state goes through shared memory, so a chunk needs no barrier between its phases.
+// With OutputGroup (block_v 64), the O^T terms move to a last warp group that reads S^T and Vn^T
+// handed over in shared memory; the consumer then runs only what the next chunk depends on.
+// A tail chunk first zeroes K's and V's rows past the sequence end (0 x NaN would leak).
 // The register budget is split between the roles with setmaxnreg.
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
