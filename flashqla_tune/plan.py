@@ -10,12 +10,15 @@ from dataclasses import dataclass
 
 from .spec import GDNSpec, SpecError
 
-# setmaxnreg takes multiples of 8 in [24, 256]. A CTA is one producer warp group plus one consumer
-# warp group per 64 state columns (block_v / 64); resident ctas_per_sm times on an SM it gets
-# 65536 / ctas_per_sm registers, a pool its roles then split with setmaxnreg. Shared memory per
-# CTA is at most 227 KB (232448 bytes) on sm_90.
+# setmaxnreg takes multiples of 8 in [24, 256]. A CTA is one producer warp group, one consumer warp
+# group per 64 state columns (block_v / 64) and optionally an output warp group. Its threads launch
+# with the SM's 65536 registers / (threads x ctas_per_sm), rounded down to 8: that count times the
+# threads is the pool its roles then split with setmaxnreg. Shared memory on sm_90: 228 KB per SM,
+# of which each resident CTA also takes 1 KB for the system; at most 227 KB (232448 B) per CTA.
 REGISTERS_PER_SM = 65536
-SHARED_MEMORY_PER_SM = 232448
+SHARED_MEMORY_PER_SM = 233472
+SHARED_MEMORY_PER_CTA = 232448
+RESERVED_SHARED_MEMORY_PER_CTA = 1024
 ROWS_PER_CONSUMER = 64        # wgmma M: state columns per consumer warp group
 OUT_PITCH = ROWS_PER_CONSUMER + 8  # padded row of the O staging tile (csrc kOutPitch)
 # A consumer holds the fp32 state slice (64), its 16-bit copy (32) and two 64 x 64 accumulators
@@ -81,9 +84,10 @@ class TileParams:
                             f"{self.consumer_regs}{extra} need {used} registers per CTA; ctas_per_sm={self.ctas_per_sm} "
                             f"leaves {pool}")
         smem = self.shared_memory_bytes(spec)
-        if smem * self.ctas_per_sm > SHARED_MEMORY_PER_SM:
+        allowed = min(SHARED_MEMORY_PER_CTA, SHARED_MEMORY_PER_SM // self.ctas_per_sm - RESERVED_SHARED_MEMORY_PER_CTA)
+        if smem > allowed:
             raise PlanError(f"block_v={self.block_v}, stages={self.stages} need {smem} B of shared memory per CTA; "
-                            f"{self.ctas_per_sm} CTA(s) per SM allow {SHARED_MEMORY_PER_SM // self.ctas_per_sm} B")
+                            f"{self.ctas_per_sm} CTA(s) per SM allow {allowed} B")
         if self.consumer_regs < MIN_CONSUMER_REGS:
             raise PlanError(f"consumer_regs={self.consumer_regs} is below {MIN_CONSUMER_REGS}, the registers a "
                             f"consumer's state slice, its 16-bit copy and two accumulators take")

@@ -57,7 +57,7 @@ def test_spec_name_and_round_trip():
     (TileParams(block_v=128, output_group=1), "output_group=1 pairs the output warp group with one chain"),
     (TileParams(output_group=2), "output_group=2 must be 0 or 1"),
     (TileParams(block_v=128, stages=3), "need 234496 B of shared memory per CTA; 1 CTA\\(s\\) per SM allow 232448 B"),
-    (TileParams(stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 116224 B"),
+    (TileParams(stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 115712 B"),
 ])
 def test_plan_rejects_bad_tiles(tiles, match):
     with pytest.raises(PlanError, match=match):
