@@ -194,6 +194,29 @@ def test_exact_chaining_and_windows_past_the_start_are_exact():
         assert rel_l2(res.o, o_ref) < 1e-11 and rel_l2(res.final_state, s_ref) < 1e-11
 
 
+def test_segment_transition_chaining_is_exact():
+    """docs/cp-design.md's exact chaining: over a segment, S_end = M S_start + H, where M is the end
+    state of a pass with v = 0 from S_start = I (so K = V), and H the end state from S_start = 0
+    with the real v. Chaining M and H over segments reproduces the sequential state, and each
+    segment's output from its chained start state reproduces the sequential output."""
+    K = V = 8
+    inp = make_inputs(T=300, Hqk=1, Hv=2, K=K, V=V, initial_state=True, seed=11)
+    o_ref, s_ref = recurrent_gated_delta_rule(**inp, output_final_state=True)
+    q, k, v, g, beta = (inp[n] for n in ("q", "k", "v", "g", "beta"))
+    eye = torch.eye(K, dtype=torch.float64).expand(1, 2, K, K).contiguous()
+    state = inp["initial_state"]
+    for lo, hi in ((0, 64), (64, 65), (65, 200), (200, 300)):  # one-token and tail segments included
+        seg = [t[:, lo:hi] for t in (q, k, v, g, beta)]
+        _, M = chunk_gated_delta_rule_chunked(seg[0], seg[1], torch.zeros_like(seg[2]), *seg[3:],
+                                              initial_state=eye, output_final_state=True)
+        _, H = chunk_gated_delta_rule_chunked(*seg, initial_state=torch.zeros_like(state), output_final_state=True)
+        o_seg, s_seg = chunk_gated_delta_rule_chunked(*seg, initial_state=state, output_final_state=True)
+        assert rel_l2(o_seg, o_ref[:, lo:hi]) < 1e-11
+        state = M @ state + H  # [K x K] [K x V] + [K x V] per head
+        assert rel_l2(state, s_seg) < 1e-11
+    assert rel_l2(state, s_ref) < 1e-11
+
+
 def test_segmented_validates_boundaries_and_tables():
     inp = make_inputs(T=200, Hqk=1, Hv=2, K=8, V=4)
     with pytest.raises(ValueError, match="multiples of 64"):
