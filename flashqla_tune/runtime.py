@@ -66,10 +66,10 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     layout_vk = plan.spec.state_layout == "vk"
     state_shape = (N, Hv, V, K) if layout_vk else (N, Hv, K, V)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    g = g.to(torch.float32).contiguous()
-    beta = beta.to(torch.float32).contiguous()
-    cu_seqlens = cu_seqlens.to(torch.int64).contiguous()
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    g = _as(g, torch.float32)
+    beta = _as(beta, torch.float32)
+    cu_seqlens = _as(cu_seqlens, torch.int64)
+    h0 = None if initial_state is None else _as(initial_state, torch.float32)
     o = torch.empty_like(v) if out is None else out
     final = final_out if final_out is not None else torch.empty(
         state_shape if output_final_state else (0,), dtype=torch.float32, device=v.device)
@@ -87,6 +87,11 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         use_qk_l2norm=int(bool(use_qk_l2norm)), reserved=0)
     lib.launch(args, current_stream_handle(v.device))
     return o, final
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype and contiguous, without a conversion call when it already is (eager host time)."""
+    return t.contiguous() if t.dtype == dtype else t.to(dtype).contiguous()
 
 
 def current_stream_handle(device) -> int:

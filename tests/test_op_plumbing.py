@@ -86,3 +86,29 @@ def test_unknown_plan_name_is_a_clear_error(recorded):
     with pytest.raises(KeyError, match="plan nope is not loaded from any pack"):
         ops.run_checked(q, q, v, torch.zeros(1, 8, 8), torch.zeros(1, 8, 8), None, None, False, False, False,
                         None, plan_name="nope")
+
+
+def test_fake_tensors_take_the_custom_op_and_eager_calls_skip_its_dispatch(recorded, monkeypatch):
+    """Under fake tensors (as torch.compile traces) the registered op and its fake implementation
+    answer, and no library is launched; eager calls go to the implementation directly."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lib, plan = recorded
+    with FakeTensorMode():
+        q = torch.empty(1, 130, 2, 128, dtype=torch.bfloat16)
+        v = torch.empty(1, 130, 8, 128, dtype=torch.bfloat16)
+        g, beta = torch.empty(1, 130, 8), torch.empty(1, 130, 8)
+        cu = torch.tensor([0, 30, 130])
+        assert ops.needs_custom_op(q)
+        o, final = ops.run_checked(q, q, v, g, beta, None, None, True, False, True, cu, plan_name=plan.name)
+        assert o.shape == (1, 130, 8, 128) and final.shape == (2, 8, 128, 128)
+    assert lib.calls == []
+
+    dispatched = []
+    monkeypatch.setattr(torch.ops.flashqla_tune, "gdn_fwd", lambda *a: dispatched.append(a))
+    q = torch.randn(1, 130, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, 130, 8, 128, dtype=torch.bfloat16)
+    assert not ops.needs_custom_op(q)
+    ops.run_checked(q, q, v, torch.randn(1, 130, 8), torch.rand(1, 130, 8), None, None, False, False, True,
+                    torch.tensor([0, 130]), plan_name=plan.name)
+    assert dispatched == [] and len(lib.calls) == 1
