@@ -6,18 +6,10 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/kernel_check_out}
 mkdir -p "$OUT"
-# The carried wheels, then this checkout as a regular install (offline; the image has setuptools),
-# so the run exercises the installed package data (templates/, csrc/) and flashqla_tune.calibrate.
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1  # never import the source tree from the cwd
-if [ -f .anchors/anchors.tar.xz ]; then
-  mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
-  export PYTHONPATH=/tmp/anchors:$PYTHONPATH
-fi
-export PYTHONUNBUFFERED=1 FLASHQLA_TUNE_CACHE=/tmp/fqt-cache FLA_DISABLE_BACKEND_DISPATCH=1
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/env.txt"
+source scripts/device_setup.sh
+device_setup .whl || exit 1
+export FLA_DISABLE_BACKEND_DISPATCH=1
+device_report "$OUT"
 # Build every plan the tests and the quick bench touch, in parallel, before anything runs.
 python3 - <<'PY' 2>&1 | tee "$OUT/build.log"
 import time

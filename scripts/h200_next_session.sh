@@ -8,12 +8,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/next_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 FLASHQLA_TUNE_CACHE=/tmp/fqt-cache
-if [ -f .anchors/anchors.tar.xz ]; then
-  mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz && export PYTHONPATH=/tmp/anchors:$PYTHONPATH
-fi
+source scripts/device_setup.sh
+device_setup .whl || exit 1
 export FLA_DISABLE_BACKEND_DISPATCH=1
 case "${1:-tests}" in
   tests)
@@ -23,7 +19,7 @@ case "${1:-tests}" in
     timeout 60 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2
     timeout 150 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
   scoreboard)
-    PYTHONPATH=$PYTHONPATH timeout 540 bash scripts/h200_scoreboard.sh --quick --impl flashqla_tune --impl fla \
+    timeout 540 bash scripts/h200_scoreboard.sh --quick --impl flashqla_tune --impl fla \
       --impl flashqla > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
   *) echo "unknown step $1 (tests | scoreboard)" >&2; exit 2 ;;

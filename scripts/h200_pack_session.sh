@@ -11,13 +11,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/pack_out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl .whl-hf/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . || exit 1
-mkdir -p /tmp/fla && tar -C /tmp/fla -xJf .fla/fla.tar.xz || exit 1
-export PYTHONPATH=/tmp/fla:/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 FLASHQLA_TUNE_CACHE=/tmp/fqt-cache
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
-  python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__)"; } > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+source scripts/device_setup.sh
+[ -f .fla/fla.tar.xz ] || { echo "carry .fla (scripts/make_device_bundles.sh)" >&2; exit 1; }
+device_setup .whl .whl-hf || exit 1
+device_report "$OUT"
+python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.txt"
 STEP=${1:-tests}
 if [ "$STEP" = tests ]; then
 timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -q -s -m gpu tests/test_gpu_pack.py \

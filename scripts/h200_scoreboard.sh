@@ -7,19 +7,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/scoreboard_out}
 mkdir -p "$OUT"
-if [ -z "${PYTHONPATH:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl &&
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/site . &&
-    export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 FLASHQLA_TUNE_CACHE=${FLASHQLA_TUNE_CACHE:-/tmp/fqt-cache}
+if [ -z "${PYTHONPATH:-}" ]; then  # not set up by a calling script
+  source scripts/device_setup.sh
+  device_setup .whl || exit 1
 fi
-if [ -f .anchors/anchors.tar.xz ]; then
-  mkdir -p /tmp/anchors && tar -C /tmp/anchors -xJf .anchors/anchors.tar.xz
-  export PYTHONPATH=/tmp/anchors:${PYTHONPATH:-$PWD}
-else
-  echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2
-  export PYTHONPATH=${PYTHONPATH:-$PWD}
-fi
-export PYTHONUNBUFFERED=1
+[ -f .anchors/anchors.tar.xz ] || echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 python3 -m flashqla_tune.cli.bench --out "$OUT" \
   "$@" >"$OUT/bench.log" 2>&1
