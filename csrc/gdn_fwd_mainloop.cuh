@@ -305,9 +305,9 @@ __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename C
     warpgroup_wait<0>();
     warpgroup_fence_operand(accO);
     Barrier::arrive(&ss.handoff_empty[parity]);
-    cutlass::arch::ClusterBarrier::arrive(&ss.empty[s]);
+    Barrier::arrive(&ss.empty[s]);
 
-    const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
+    const int valid = range.rows_in_chunk(c);
     store_output_chunk<Cfg>(accO, crd, ss.out.data() + parity * kChunk * kOutPitch,
                             o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1);
   }
@@ -440,19 +440,18 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     Tensor tBKt = thr_state.partition_fragment_B(sKt);
 
     FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
-    const int valid = int(min<int64_t>(kChunk, range.len - int64_t(c) * kChunk));
+    const int valid = range.rows_in_chunk(c);
     if (valid < kChunk) {
       // A tail chunk's rows past the sequence end hold the next sequence's tokens or tokens no
       // sequence owns (whatever the caller's tensor or the workspace holds there). Their weights
       // in Aw and K^T Vs are zero, but 0 x NaN is NaN, so K's and V's padding rows are zeroed
       // before any GEMM reads them. Every consumer takes part: they share the stage.
-      Tensor sKz = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});  // (t, k)
-      Tensor sVz = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});  // (v, t)
+      Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});  // (v, t)
       const int tid = ctid + 128 * consumer, stride = 128 * Cfg::Consumers;
       for (int idx = tid; idx < (kChunk - valid) * Cfg::HeadK; idx += stride)
-        sKz(valid + idx / Cfg::HeadK, idx % Cfg::HeadK) = Elem(0.f);
+        sK(valid + idx / Cfg::HeadK, idx % Cfg::HeadK) = Elem(0.f);
       for (int idx = tid; idx < (kChunk - valid) * Cfg::BlockV; idx += stride)
-        sVz(idx % Cfg::BlockV, valid + idx / Cfg::BlockV) = Elem(0.f);
+        sV(idx % Cfg::BlockV, valid + idx / Cfg::BlockV) = Elem(0.f);
       cutlass::arch::fence_view_async_shared();  // generic stores, read by wgmma (async proxy)
       cutlass::arch::NamedBarrier::sync(stride, 1 + Cfg::Consumers);
     }

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_prep_kernel(const PrepArgs a
   const int64_t chunk = slot - range.slot0;
   if (chunk < 0 || chunk >= range.num_chunks()) return;  // a slot no sequence uses
   const int64_t tok0 = range.start + chunk * kChunk;
-  const int L = int(min<int64_t>(kChunk, range.len - chunk * kChunk));
+  const int L = range.rows_in_chunk(chunk);
 
   // 1. q, k rows into the swizzled wgmma layout (zeros past the end), L2-normalised if asked;
   //    the normalised rows also go to global memory for the sequential kernel's TMA loads.

@@ -20,6 +20,11 @@ struct SeqRange {
   int64_t len;    // tokens (0 for an empty or malformed sequence)
   int64_t slot0;  // slot of the first chunk
   __host__ __device__ int64_t num_chunks() const { return (len + kChunk - 1) / kChunk; }
+  // Tokens of chunk c that belong to the sequence (kChunk but in the tail chunk).
+  __host__ __device__ int rows_in_chunk(int64_t c) const {
+    const int64_t rows = len - c * kChunk;
+    return int(rows < kChunk ? rows : kChunk);
+  }
 };
 
 __device__ __forceinline__ int64_t clamp_offset(int64_t x, int64_t total) {

@@ -14,14 +14,13 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from gdn_inputs import rel_l2  # noqa: E402
+from gdn_inputs import make_inputs, rel_l2  # noqa: E402
 
 from flashqla_tune.calibrate.default_model import default_model_path  # noqa: E402
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked  # noqa: E402
@@ -39,15 +38,12 @@ def pack(tmp_path_factory):
     return out
 
 
-def _inputs(seed, T, hqk, hv, dtype=torch.bfloat16):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(1, T, hqk, 128, generator=gen, device=DEV).to(dtype)
-    k = torch.randn(1, T, hqk, 128, generator=gen, device=DEV).to(dtype)
-    v = torch.randn(1, T, hv, 128, generator=gen, device=DEV).to(dtype)
-    g = F.logsigmoid(torch.randn(1, T, hv, generator=gen, device=DEV)) / 16
-    beta = torch.rand(1, T, hv, generator=gen, device=DEV)
-    h0 = torch.randn(2, hv, 128, 128, generator=gen, device=DEV)
-    return q, k, v, g, beta, h0
+def gpu_inputs(**kw):
+    """tests/gdn_inputs.make_inputs (float64, fresh per seed) as the op takes them on the GPU:
+    bf16 q, k, v; fp32 gates, beta and state; int64 offsets."""
+    wide = {"q": torch.bfloat16, "k": torch.bfloat16, "v": torch.bfloat16, "cu_seqlens": torch.int64}
+    inp = make_inputs(K=128, V=128, **kw)
+    return {n: t.to(DEV, wide.get(n, torch.float32)) for n, t in inp.items() if isinstance(t, torch.Tensor)}
 
 
 def test_load_and_first_call_compile_nothing(pack, capsys, monkeypatch):
@@ -61,8 +57,9 @@ def test_load_and_first_call_compile_nothing(pack, capsys, monkeypatch):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     ops = load(pack)
-    q, k, v, g, beta, _ = _inputs(0, 1000, 2, 8)
-    o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, layer=0)
+    x = gpu_inputs(T=1000, Hqk=2, Hv=8, seed=0)
+    o, _ = ops.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], use_qk_l2norm_in_kernel=True,
+                                      layer=0)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     with capsys.disabled():  # the time is reported for the docs (issue 6: under one second), not asserted
@@ -73,16 +70,13 @@ def test_load_and_first_call_compile_nothing(pack, capsys, monkeypatch):
 @pytest.mark.parametrize("hqk", [2, 8], ids=["gva_native", "hqk_eq_hv"])
 def test_pack_op_matches_the_oracle_on_every_layer(pack, hqk):
     ops = load(pack)
-    seqlens = [777, 64, 1, 2000]
-    cu = torch.tensor([0] + torch.tensor(seqlens).cumsum(0).tolist(), device=DEV, dtype=torch.int64)
+    cu_seqlens = [0, 777, 841, 842, 2842]  # a tail, a full chunk, one token, a long sequence
     for layer in range(ops.num_layers):
-        q, k, v, g, beta, _ = _inputs(layer + 10 * hqk, sum(seqlens), hqk, 8)
-        h0 = torch.randn(len(seqlens), 8, 128, 128, device=DEV)
-        o, final = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu, layer=layer)
+        x = gpu_inputs(cu_seqlens=cu_seqlens, Hqk=hqk, Hv=8, initial_state=True, seed=layer + 10 * hqk)
+        o, final = ops.chunk_gated_delta_rule(**x, output_final_state=True, use_qk_l2norm_in_kernel=True, layer=layer)
         o_ref, f_ref = chunk_gated_delta_rule_chunked(
-            q.double(), k.double(), v.double(), g.double(), beta.double(), scale=128 ** -0.5,
-            initial_state=h0.double(), output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+            **{n: t.double() if t.is_floating_point() else t for n, t in x.items()}, scale=128 ** -0.5,
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
         err_o, err_s = rel_l2(o, o_ref), rel_l2(final, f_ref)
         assert err_o < 1e-2 and err_s < 1e-2, f"layer {layer}: o {err_o:.2e}, state {err_s:.2e}"
 
