@@ -79,7 +79,7 @@ class TileParams:
                             f"launch ({self.threads} threads, ctas_per_sm={self.ctas_per_sm}); setmaxnreg can only "
                             f"lower it")
         if used > pool:
-            extra = f" + the output warp group's {self.launch_regs()}" if self.output_group else ""
+            extra = f" + the output warp group's {launch}" if self.output_group else ""
             raise PlanError(f"producer_regs={self.producer_regs} + {self.consumers} x consumer_regs="
                             f"{self.consumer_regs}{extra} need {used} registers per CTA; ctas_per_sm={self.ctas_per_sm} "
                             f"leaves {pool}")
