@@ -6,11 +6,13 @@
 #pragma once
 #include <stdint.h>
 
-#define FQT_ABI_VERSION 1
+#define FQT_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+enum { FQT_PREP_AUTO = 0, FQT_PREP_SERIAL = 1, FQT_PREP_OVERLAP = 2 };
 
 typedef struct FqtGdnFwdArgs {
   // Inputs. Tokens of all sequences are packed: q, k [T, Hqk, K]; v [T, Hv, V]; g, beta [T, Hv] fp32.
@@ -32,7 +34,10 @@ typedef struct FqtGdnFwdArgs {
   int64_t num_seqs;
   float scale;
   int32_t use_qk_l2norm;  // normalise q and k rows in-kernel: x / sqrt(sum x^2 + 1e-6)
-  int32_t reserved;
+  // FQT_PREP_AUTO: overlap the prep and sequential kernels when the sequential grid leaves half
+  // the SMs idle; FQT_PREP_SERIAL / FQT_PREP_OVERLAP force one schedule (the results are the same
+  // bit for bit; tests and benchmarks compare them).
+  int32_t prep_schedule;
 } FqtGdnFwdArgs;
 
 // ABI version the library was built against (FQT_ABI_VERSION).

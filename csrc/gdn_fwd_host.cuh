@@ -1,4 +1,10 @@
 // Host side of the GDN forward: workspace layout, TMA descriptors, launches. Never synchronises.
+//
+// Two launches per call: the prep kernel (parallel over chunks), then the sequential kernel as
+// its programmatic dependent (PDL). When the sequential grid leaves most SMs idle (few heads,
+// few long sequences), the two overlap: the prep runs on the idle SMs in chunk order and
+// publishes each item, and the sequential kernel consumes items as they become ready. Otherwise
+// the prep fills the GPU and the sequential kernel only hides its launch and prologue behind it.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -11,10 +17,11 @@ namespace fqt {
 
 inline int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
 
-// Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P.
+// Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P, then the
+// prep's ready flags [Hqk, slots].
 template <class Cfg>
 struct Workspace {
-  int64_t qn, kn, gamma, aw, p, total;
+  int64_t qn, kn, gamma, aw, p, ready, total;
   Workspace(int64_t T, int64_t N) {
     const int64_t slots = num_chunk_slots(T, N);
     const int64_t qk_bytes = align256(T * Cfg::Hqk * Cfg::HeadK * int64_t(sizeof(typename Cfg::Elem)));
@@ -24,7 +31,8 @@ struct Workspace {
     gamma = kn + qk_bytes;
     aw = gamma + align256(int64_t(Cfg::Hv) * slots * kChunk * int64_t(sizeof(float)));
     p = aw + mat_bytes;
-    total = p + mat_bytes;
+    ready = p + mat_bytes;
+    total = ready + align256(int64_t(Cfg::Hqk) * slots * int64_t(sizeof(uint32_t)));
   }
 };
 
@@ -38,36 +46,71 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   const Workspace<Cfg> ws(T, N);
   char* base = static_cast<char*>(a.workspace);
 
-  static bool attributes_set = false;  // per process and plan: the attribute is a property of the function
-  constexpr int prep_smem = PrepConfig<Elem, Cfg::HeadK>::SmemBytes;
+  using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK>;
   auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
-  if (!attributes_set) {
-    cudaError_t err = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, prep_smem);
+  // Per process and plan: the attribute belongs to the function, the SM count to the device
+  // (one kind of GPU per process is assumed, as the plan is compiled for one).
+  static int sm_count = 0, prep_ctas_per_sm = 0;
+  if (sm_count == 0) {
+    cudaError_t err = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepCfg::SmemBytes);
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
+    int device = 0, sms = 0, per_sm = 0;
+    if (err == cudaSuccess) err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess)
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, kPrepThreads, PrepCfg::SmemBytes);
     if (err != cudaSuccess) return err;
-    err = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
-    if (err != cudaSuccess) return err;
-    attributes_set = true;
+    prep_ctas_per_sm = per_sm > 0 ? per_sm : 1;
+    sm_count = sms;
   }
 
-  PrepArgs pa;
-  pa.q = a.q;
-  pa.k = a.k;
-  pa.g = a.g;
-  pa.beta = a.beta;
-  pa.cu_seqlens = a.cu_seqlens;
-  pa.q_normed = base + ws.qn;
-  pa.k_normed = base + ws.kn;
-  pa.gamma = reinterpret_cast<float*>(base + ws.gamma);
-  pa.aw = base + ws.aw;
-  pa.p = base + ws.p;
-  pa.total_tokens = T;
-  pa.num_seqs = N;
-  pa.num_slots = slots;
-  pa.scale = a.scale;
-  pa.use_qk_l2norm = a.use_qk_l2norm;
-  if (slots > 0x7fffffff) return cudaErrorInvalidValue;
-  prep<<<dim3(unsigned(slots), Cfg::Hqk), kPrepThreads, prep_smem, stream>>>(pa);
+  if (slots > 0x7fffffff || N > 65535) return cudaErrorInvalidValue;
+  const int64_t main_ctas = int64_t(Cfg::HeadV / Cfg::BlockV) * Cfg::Hv * N;
+  const int64_t main_sms = (main_ctas + Cfg::CtasPerSm - 1) / Cfg::CtasPerSm;
+  // Overlap pays when the free SMs produce items faster than the chains consume them (N x Hqk
+  // items per ~1.6 us chunk step, ~10 us per item and SM) and the sequences are long enough to
+  // amortise waiting for the first item; H200 measurements in docs/kernel-notes.md (v4).
+  const int64_t free_sms = sm_count - main_sms;
+  bool overlap = free_sms >= 12 * N * Cfg::Hqk && T >= 4096 * N;
+  if (a.prep_schedule == FQT_PREP_SERIAL) overlap = false;
+  if (a.prep_schedule == FQT_PREP_OVERLAP) overlap = main_sms < sm_count;  // needs one free SM
+
+  PrepArgs<PrepCfg> pa{
+      PrepCfg::tma_qk(static_cast<const Elem*>(a.q), T),
+      PrepCfg::tma_qk(static_cast<const Elem*>(a.k), T),
+      a.g,
+      a.beta,
+      a.cu_seqlens,
+      base + ws.qn,
+      base + ws.kn,
+      reinterpret_cast<float*>(base + ws.gamma),
+      base + ws.aw,
+      base + ws.p,
+      overlap ? reinterpret_cast<uint32_t*>(base + ws.ready) : nullptr,
+      T,
+      N,
+      slots,
+      0,
+      a.scale,
+      a.use_qk_l2norm,
+      overlap ? kChunkMajor : kSlotMajor,
+  };
+  int64_t prep_ctas;
+  if (overlap) {
+    // Chunk c of every sequence before chunk c + 1 of any; the prep keeps to the SMs the
+    // sequential grid leaves (one CTA each, so the sequential CTAs find whole SMs free).
+    pa.num_items = ((T + kChunk - 1) / kChunk) * N * Cfg::Hqk;
+    prep_ctas = sm_count - main_sms;
+    cudaError_t err = cudaMemsetAsync(pa.ready, 0, size_t(Cfg::Hqk) * size_t(slots) * sizeof(uint32_t), stream);
+    if (err != cudaSuccess) return err;
+  } else {
+    pa.num_items = slots * Cfg::Hqk;
+    prep_ctas = int64_t(sm_count) * prep_ctas_per_sm;
+  }
+  prep_ctas = prep_ctas < pa.num_items ? prep_ctas : pa.num_items;
+  prep<<<unsigned(prep_ctas > 0 ? prep_ctas : 1), kPrepThreads, PrepCfg::SmemBytes, stream>>>(pa);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
@@ -81,6 +124,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       Cfg::tma_mat(static_cast<const Elem*>(pa.aw), mat_rows),
       Cfg::tma_mat(static_cast<const Elem*>(pa.p), mat_rows),
       pa.gamma,
+      pa.ready,
       a.cu_seqlens,
       a.initial_state,
       a.final_state,
@@ -90,10 +134,17 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       slots,
       a.scale,
   };
-  if (N > 65535) return cudaErrorInvalidValue;
-  dim3 grid(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(N));
-  main_kernel<<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
-  return cudaGetLastError();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(N));
+  config.blockDim = dim3(Cfg::Threads);
+  config.dynamicSmemBytes = Cfg::SmemBytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, main_kernel, fp);
 }
 
 template <class Cfg>

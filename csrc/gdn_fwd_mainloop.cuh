@@ -1,9 +1,9 @@
 // The sequential GDN forward on Hopper: one CTA per (V tile, v-head, sequence) walks the
 // sequence chunk by chunk, keeping the transposed state S^T [block_v x K] in fp32 registers.
 //
-// Warp group 0 is the producer: one thread streams each chunk's q, k, v and the prepared Aw
-// and P tiles into a ring of shared-memory stages with TMA (bulk tensor copies completing on
-// mbarriers). Each consumer warp group (one per 64 state columns) owns 64 rows (values) of S^T and runs, per chunk,
+// Warp group 0 is the producer: one thread streams each chunk's q, k, v, the prepared Aw and P
+// tiles and the gates into a ring of shared-memory stages with TMA (bulk copies completing on
+// mbarriers); it alone reads the prep kernel's output, so it alone waits for it (gdn_grid_sync.cuh). Each consumer warp group (one per 64 state columns) owns 64 rows (values) of S^T and runs, per chunk,
 // three dependent wgmma phases whose A operands never leave registers (the accumulator layout of
 // one wgmma is the A-fragment layout of the next, as in FlashAttention-3):
 //   1. X^T = V^T - (S^T K^T) D        and  O^T = scale (S^T Q^T) D      (A = S^T, bf16/fp16)
@@ -25,6 +25,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 
+#include "gdn_grid_sync.cuh"
 #include "gdn_sequences.cuh"
 #include "gdn_wgmma.cuh"
 
@@ -101,6 +102,7 @@ struct FwdConfig {
     // O^T staged as (token, value) rows per consumer, double-buffered across chunks.
     cute::array_aligned<Elem, Consumers * 2 * kChunk * kOutPitch, 16> out;
     cute::array_aligned<Elem, HandoffElems, (OutputGroup ? 1024 : 16)> handoff;
+    alignas(16) float gamma[Stages][kChunk];  // the chunk's gates, a bulk copy beside the stage's tiles
     uint64_t full[Stages];
     uint64_t empty[Stages];
     uint64_t handoff_full[2];
@@ -112,7 +114,8 @@ struct FwdConfig {
   }
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t StageTxBytes =
-      uint32_t(sizeof(Elem)) * (2 * cosize_v<LayoutQK> + cosize_v<LayoutVt> + 2 * cosize_v<LayoutMat>);
+      uint32_t(sizeof(Elem)) * (2 * cosize_v<LayoutQK> + cosize_v<LayoutVt> + 2 * cosize_v<LayoutMat>) +
+      uint32_t(sizeof(float)) * kChunk;
 
   // Global views for TMA. q/k: (token, Hqk*K) row-major. v: (Hv*V, token). Aw/P: (Hv*slots*64, 64).
   static auto gmem_qk(const Elem* ptr, int64_t T) {
@@ -148,6 +151,7 @@ struct FwdParams {
   typename Cfg::TmaMat tma_aw;
   typename Cfg::TmaMat tma_p;
   const float* gamma;          // [Hv, slots * 64]
+  const uint32_t* ready;       // [Hqk, slots] prep's per-item flags; null: wait for the whole prep grid
   const int64_t* cu_seqlens;
   const float* initial_state;  // may be null
   float* final_state;          // may be null
@@ -211,10 +215,16 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
   Tensor gAw = local_tile(domain_offset(make_coord(mat_row0, 0), mAw), Shape<C64, C64>{}, make_coord(_, 0));
   Tensor gP = local_tile(domain_offset(make_coord(mat_row0, 0), mP), Shape<C64, C64>{}, make_coord(_, 0));
 
+  const float* gamma = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
+  const uint32_t* ready = p.ready ? p.ready + int64_t(hqk) * p.num_slots + range.slot0 : nullptr;
+  // Everything below reads the prep kernel's output (the sequential kernel may start early).
+  if (ready == nullptr) wait_prerequisite_grids();
+
   const int num_chunks = int(range.num_chunks());
   for (int c = 0; c < num_chunks; ++c) {
     const int s = c % Stages;
-    if (c >= Stages) EmptyBarrier::wait(&ss.empty[s], ((c / Stages) & 1) ^ 1);
+    if (c >= Stages) mbarrier_wait(&ss.empty[s], ((c / Stages) & 1) ^ 1);
+    if (ready != nullptr) wait_ready(ready + c);
     auto& st = ss.stage[s];
     Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
@@ -231,6 +241,7 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
     tma_copy(p.tma_v, gV(_, _, c), sV);
     tma_copy(p.tma_aw, gAw(_, _, c), sAw);
     tma_copy(p.tma_p, gP(_, _, c), sP);
+    SM90_BULK_COPY_G2S::copy(gamma + int64_t(c) * kChunk, &ss.full[s], ss.gamma[s], int32_t(sizeof(float) * kChunk));
   }
 }
 
@@ -269,26 +280,24 @@ __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename C
   Tensor accO = partition_fragment_C(mma, Shape<CM, C64>{});
   Tensor crd = thr.partition_C(make_identity_tensor(Shape<CM, C64>{}));
   const int col0 = get<1>(crd(0));
-  const float* gamma_base = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
   Elem* o_base = p.o + range.start * int64_t(Cfg::Hv * Cfg::HeadV) + int64_t(hv) * Cfg::HeadV + vt * Cfg::BlockV;
   const int num_chunks = int(range.num_chunks());
   for (int c = 0; c < num_chunks; ++c) {
     const int s = c % Cfg::Stages, parity = c % 2;
-    const float* gamma = gamma_base + int64_t(c) * kChunk;
-    float decay[16];
-    CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      const float2 g = __ldg(reinterpret_cast<const float2*>(gamma + col0 + 8 * i));
-      decay[2 * i] = p.scale * __expf(g.x);
-      decay[2 * i + 1] = p.scale * __expf(g.y);
-    }
     auto& st = ss.stage[s];
     Tensor tAS = thr.partition_fragment_A(make_tensor(make_smem_ptr(Cfg::handoff_s(ss, parity)), typename Cfg::LayoutQK{}));
     Tensor tAVn = thr.partition_fragment_A(make_tensor(make_smem_ptr(Cfg::handoff_vn(ss, parity)), typename Cfg::LayoutMat{}));
     Tensor tBQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{}));
     Tensor tBP = thr.partition_fragment_B(make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{}));
-    FullBarrier::wait(&ss.full[s], (c / Cfg::Stages) & 1);
-    Barrier::wait(&ss.handoff_full[parity], (c / 2) & 1);
+    mbarrier_wait(&ss.full[s], (c / Cfg::Stages) & 1);
+    float decay[16];
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const float2 g = *reinterpret_cast<const float2*>(&ss.gamma[s][col0 + 8 * i]);
+      decay[2 * i] = p.scale * __expf(g.x);
+      decay[2 * i + 1] = p.scale * __expf(g.y);
+    }
+    mbarrier_wait(&ss.handoff_full[parity], (c / 2) & 1);
 
     warpgroup_fence_operand(accO);
     warpgroup_arrive();
@@ -408,25 +417,13 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     }
   }
 
-  const float* gamma_base = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
-  // Gates are prefetched one chunk ahead (global loads, ~L2 latency). Slot slot0 + num_chunks
-  // still lies inside the gamma buffer (see gdn_sequences.cuh), so the last prefetch is in bounds.
-  float2 g_next[8];
-  CUTE_UNROLL
-  for (int i = 0; i < 8; ++i) g_next[i] = __ldg(reinterpret_cast<const float2*>(gamma_base + col0 + 8 * i));
   Elem* o_base = p.o + range.start * int64_t(Cfg::Hv * Cfg::HeadV) + int64_t(hv) * Cfg::HeadV + v0;
   Elem* out_stage = ss.out.data() + consumer * 2 * kChunk * kOutPitch;
 
   for (int c = 0; c < num_chunks; ++c) {
     const int s = c % Stages;
     auto& st = ss.stage[s];
-    // This thread's 16 token columns' gates (global, written by the prep kernel), then the next
-    // chunk's prefetch.
-    const float* gamma = gamma_base + int64_t(c) * kChunk;
-    float2 g_pair[8];
-    CUTE_UNROLL
-    for (int i = 0; i < 8; ++i) g_pair[i] = g_next[i];
-    const float gamma_last = __ldg(gamma + kChunk - 1);
+    const float* gamma = ss.gamma[s];  // the chunk's gates, in shared memory once the stage is full
 
     Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
@@ -439,7 +436,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     Tensor tBP = thr_tok.partition_fragment_B(sP);
     Tensor tBKt = thr_state.partition_fragment_B(sKt);
 
-    FullBarrier::wait(&ss.full[s], (c / Stages) & 1);
+    mbarrier_wait(&ss.full[s], (c / Stages) & 1);
     const int valid = range.rows_in_chunk(c);
     if (valid < kChunk) {
       // A tail chunk's rows past the sequence end hold the next sequence's tokens or tokens no
@@ -469,23 +466,23 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     } else {
       // Hand S^T (this chunk's start state) to the output warp group once it is done with the
       // buffer two chunks back; wgmma only reads fragS, so storing it now is safe.
-      if (c >= 2) EmptyBarrier::wait(&ss.handoff_empty[c % 2], ((c / 2) & 1) ^ 1);
+      if (c >= 2) mbarrier_wait(&ss.handoff_empty[c % 2], ((c / 2) & 1) ^ 1);
       Tensor tHS = thr_tok.partition_C(make_tensor(make_smem_ptr(Cfg::handoff_s(ss, c % 2)), typename Cfg::LayoutQK{}));
       CUTE_UNROLL
       for (int e = 0; e < size(fragS); e += 2) *word_at(tHS, e) = *word_at(fragS, e);
     }
-    // Off the tensor cores while they run: V^T, the next chunk's gates, the column decays e^{g}.
+    // Off the tensor cores while they run: V^T and this thread's 16 token columns' decays e^{g}.
     uint32_t v_frag[16];
     const uint32_t v_base = uint32_t(cute::cast_smem_ptr_to_uint(st.v.data()));
     CUTE_UNROLL
     for (int q = 0; q < 4; ++q) ldsm_x4_trans(v_base + v_tile_offset[q], v_frag + 4 * q);
-    if (c + 1 < num_chunks) {
-      CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) g_next[i] = __ldg(reinterpret_cast<const float2*>(gamma + kChunk + col0 + 8 * i));
-    }
     float decay[16];
     CUTE_UNROLL
-    for (int j = 0; j < 16; ++j) decay[j] = __expf((j % 2) ? g_pair[j / 2].y : g_pair[j / 2].x);
+    for (int i = 0; i < 8; ++i) {
+      const float2 g = *reinterpret_cast<const float2*>(gamma + col0 + 8 * i);
+      decay[2 * i] = __expf(g.x);
+      decay[2 * i + 1] = __expf(g.y);
+    }
     warpgroup_wait<Cfg::OutputGroup ? 0 : 1>();
     warpgroup_fence_operand(accX);
 
@@ -511,12 +508,13 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       for (int e = 0; e < size(accO); ++e) accO(e) *= p.scale * decay[column_slot(e)];
       warpgroup_fence_operand(accO);
     }
-    // e^{gC - g} from the gates again (L1 hits): holding them since phase 1 would cost 16 registers
-    // while S^T's operand copy is still live.
+    // e^{gC - g} from the gates again (shared memory): holding them since phase 1 would cost 16
+    // registers while S^T's operand copy is still live.
+    const float gamma_last = gamma[kChunk - 1];
     float tail[16];
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) {
-      const float2 g = __ldg(reinterpret_cast<const float2*>(gamma + col0 + 8 * i));
+      const float2 g = *reinterpret_cast<const float2*>(gamma + col0 + 8 * i);
       tail[2 * i] = __expf(gamma_last - g.x);
       tail[2 * i + 1] = __expf(gamma_last - g.y);
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class FqtGdnFwdArgs(ctypes.Structure):
@@ -27,7 +27,7 @@ class FqtGdnFwdArgs(ctypes.Structure):
         ("num_seqs", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("use_qk_l2norm", ctypes.c_int32),
-        ("reserved", ctypes.c_int32),
+        ("prep_schedule", ctypes.c_int32),
     ]
 
 

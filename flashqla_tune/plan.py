@@ -96,12 +96,14 @@ class TileParams:
         """The main kernel's shared storage (csrc/gdn_fwd_mainloop.cuh SharedStorage), 16-bit
         elements: per stage q, k [C x K], v [C x block_v], Aw, P [C x C]; then the double-buffered
         O staging [2 x C x OUT_PITCH] per consumer; the output warp group's handoff, S [C x K] and
-        Vn [C x C] twice (a 16-byte token without the group); then the barriers."""
+        Vn [C x C] twice (a 16-byte token without the group); the gates [C] fp32 per stage; then
+        the barriers."""
         C, K, bv = spec.chunk_size, spec.head_k_dim, self.block_v
         stage = 2 * (2 * C * K + C * bv + 2 * C * C)
         out = 2 * self.consumers * 2 * C * OUT_PITCH
         handoff = 2 * 2 * (C * K + C * C) if self.output_group else 16
-        return self.stages * stage + _round_up(_round_up(out, 1024) + handoff + 16 * self.stages + 32, 1024)
+        gates = 4 * C * self.stages
+        return self.stages * stage + _round_up(_round_up(out, 1024) + handoff + gates + 16 * self.stages + 32, 1024)
 
 
 def _round_up(x: int, to: int) -> int:

@@ -18,7 +18,7 @@ import jinja2
 from .plan import KernelPlan
 
 TEMPLATE_NAME = "gdn_fwd.cu.j2"
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _ELEMENT_TYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}
 

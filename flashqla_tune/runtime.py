@@ -54,12 +54,18 @@ def library(plan: KernelPlan):
     return lib
 
 
+PREP_SCHEDULES = {"auto": 0, "serial": 1, "overlap": 2}  # csrc/gdn_abi.h FQT_PREP_*
+
+
 def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
-            use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None):
+            use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None,
+            prep_schedule: str = "auto"):
     """Packed inputs ([1, T, H, D], cu_seqlens int64 [N+1] on the device) -> (o, final_state).
 
     final_state is an empty tensor when not asked for (custom ops cannot return None). Tests
-    pass NaN-filled `out` / `final_out` buffers to prove every element is written."""
+    pass NaN-filled `out` / `final_out` buffers to prove every element is written. prep_schedule
+    forces how the prep and sequential kernels share the GPU ("serial" or "overlap"; results are
+    bitwise equal), for tests and benchmarks; "auto" picks by the sequential grid's size."""
     T, Hv = v.shape[1], v.shape[2]
     N = cu_seqlens.shape[0] - 1
     K, V = q.shape[3], v.shape[3]
@@ -84,7 +90,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         cu_seqlens=cu_seqlens.data_ptr(), initial_state=None if h0 is None else h0.data_ptr(),
         final_state=final.data_ptr() if output_final_state else None, o=o.data_ptr(),
         workspace=workspace.data_ptr(), total_tokens=T, num_seqs=N, scale=float(scale),
-        use_qk_l2norm=int(bool(use_qk_l2norm)), reserved=0)
+        use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=PREP_SCHEDULES[prep_schedule])
     lib.launch(args, current_stream_handle(v.device))
     return o, final
 

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The next session's kernel calls (carry [".whl", ".anchors"]), one step per device call:
-#   bash scripts/h200_next_session.sh tests       GPU tests of the forward on the current kernel,
-#                                                 the host-overhead split, the per-kernel profile
-#   bash scripts/h200_next_session.sh scoreboard  the quick scoreboard: ours, FLA, FlashQLA (no
-#                                                 PyTorch baseline, so it fits one call)
+#   bash scripts/h200_next_session.sh tests       GPU tests of the forward on the current kernel
+#                                                 and the per-kernel profile
+#   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call
+#   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
+#                                                 2/8 and 4/16 scoreboard rows that fit
+#   bash scripts/h200_next_session.sh scoreboard  the scoreboard's few-head rows first: ours, FLA,
+#                                                 FlashQLA (no PyTorch baseline, so it fits one call)
 # Logs go to $OUT; each step prints its summary last.
 set -uo pipefail
 OUT=${OUT:-/tmp/next_out}
@@ -14,13 +17,27 @@ export FLA_DISABLE_BACKEND_DISPATCH=1
 case "${1:-tests}" in
   tests)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" 2>&1 | tee "$OUT/info.txt"
-    timeout 330 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-    tail -n 3 "$OUT/gpu_tests.log"
-    timeout 60 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2
-    timeout 150 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
-  scoreboard)
-    timeout 540 bash scripts/h200_scoreboard.sh --quick --impl flashqla_tune --impl fla \
-      --impl flashqla > "$OUT/scoreboard_run.log" 2>&1
+    timeout 380 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider --durations=0 \
+      > "$OUT/gpu_tests.log" 2>&1
+    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3
+    timeout 190 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
+  host)
+    timeout 60 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2 ;;
+  fix-and-score)
+    # a subset of the GPU tests (what a fix touched: "-k" expression in $2), then the scoreboard
+    timeout 150 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider -k "$2" \
+      > "$OUT/gpu_tests_subset.log" 2>&1
+    grep -E "passed|failed|error" "$OUT/gpu_tests_subset.log" | tail -n 3
+    timeout 420 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla \
+      --heads 2/8 --heads 4/16 --accuracy-max-tokens 0 --sample-budget-s 0.08 \
+      --budget-s 330 > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | scoreboard)" >&2; exit 2 ;;
+  scoreboard)
+    # the few-head configurations first (the rows where FLA is closest); --budget-s stops
+    # starting new cases in time for the table to be written
+    timeout 560 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla \
+      --heads 2/8 --heads 4/16 --heads 16/64 --accuracy-max-tokens 0 --sample-budget-s 0.08 \
+      --budget-s 470 "${@:2}" > "$OUT/scoreboard_run.log" 2>&1
+    tail -n 40 "$OUT/scoreboard_run.log" ;;
+  *) echo "unknown step $1 (tests | host | fix-and-score | scoreboard)" >&2; exit 2 ;;
 esac

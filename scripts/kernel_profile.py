@@ -1,5 +1,7 @@
-"""Per-kernel time of our forward on the H200 (torch.profiler / CUPTI): how the time of a call
-splits between the chunk-prep kernel and the sequential TMA + wgmma kernel, per scoreboard row.
+"""Where the time of our forward goes on the H200, per scoreboard row:
+  - with the kernels serialised (prep, then sequential), each kernel's time (torch.profiler);
+  - one call's graph-replay time with the prep and sequential kernels serialised, overlapped
+    (when the sequential grid leaves an SM free), and as the op picks by default ("auto").
 Tells the next optimisation where the time goes (docs/kernel-notes.md).
 
     python -P scripts/kernel_profile.py OUT_DIR
@@ -15,41 +17,55 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.inputs import make_rotation
+from flashqla_tune.bench.timing import CudaTimer
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import forward_on_inputs
 
-ROWS = [Case(2, 8, (32768,)), Case(2, 8, (2048,)), Case(16, 64, (32768,)), Case(16, 64, (1024,) * 8),
+ROWS = [Case(2, 8, (32768,)), Case(2, 8, (8192,)), Case(2, 8, (2048,)), Case(2, 8, (8192,) * 4),
+        Case(2, 8, (4096, 28672)), Case(4, 16, (32768,)), Case(16, 64, (32768,)), Case(16, 64, (1024,) * 8),
         Case(8, 32, (8192,) * 4)]
 REPEATS = 5
+SCHEDULES = ("serial", "overlap", "auto")
 
 
-def kernel_times(case: Case) -> dict:
-    plan = default_plan(GDNSpec(case.num_qk_heads, case.num_v_heads))
-    x = make_rotation(case, 1, "cuda")[0]
-
-    def call():
-        return forward_on_inputs(plan, x)
-
+def serial_kernel_ms(plan, x) -> dict:
     with torch.no_grad():
-        call()
+        forward_on_inputs(plan, x, prep_schedule="serial")
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(REPEATS):
-                call()
+                forward_on_inputs(plan, x, prep_schedule="serial")
             torch.cuda.synchronize()
     per_kernel = defaultdict(float)
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             name = "prep" if "gdn_prep_kernel" in evt.name else "sequential" if "gdn_fwd_kernel" in evt.name else evt.name[:40]
             per_kernel[name] += evt.device_time_total / 1e3 / REPEATS  # ms per call
-    return {"heads": case.heads, "seqlens": case.seqlens_label, "ms": dict(per_kernel)}
+    return dict(per_kernel)
+
+
+def row(case: Case, timer: CudaTimer) -> dict:
+    plan = default_plan(GDNSpec(case.num_qk_heads, case.num_v_heads))
+    sets = make_rotation(case, 4, "cuda")
+    graph_ms = {}
+    with torch.no_grad():
+        for schedule in SCHEDULES:
+            def call(x, schedule=schedule):
+                return forward_on_inputs(plan, x, prep_schedule=schedule)
+            timer.warmup(call, sets, rounds=1)
+            t = timer.graph(call, sets)
+            graph_ms[schedule] = t.median_ms if t.error is None else t.error
+    return {"heads": case.heads, "seqlens": case.seqlens_label, "serial_kernels_ms": serial_kernel_ms(plan, sets[0]),
+            "graph_ms": graph_ms}
 
 
 def main(out_dir: str) -> int:
-    rows = [kernel_times(c) for c in ROWS]
-    for r in rows:
-        print(json.dumps(r), flush=True)
+    timer = CudaTimer(budget_s=0.2)
+    rows = []
+    for case in ROWS:
+        rows.append(row(case, timer))
+        print(json.dumps(rows[-1]), flush=True)
     with open(f"{out_dir}/kernel_profile.json", "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0

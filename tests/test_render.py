@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flashqla_tune.plan import KernelPlan, PlanError, TileParams, default_plan
-from flashqla_tune.render import (RenderError, Renderer, plan_json, render_context, render_plan, templates_dir,
+from flashqla_tune.render import (ABI_VERSION, RenderError, Renderer, plan_json, render_context, render_plan, templates_dir,
                                   write_if_changed)
 from flashqla_tune.spec import GDNSpec
 
@@ -27,7 +27,7 @@ def test_context_has_exactly_the_contract_keys():
     ctx = render_context(plan)
     assert set(ctx) == CONTRACT_KEYS
     assert ctx["plan_name"] == plan.name
-    assert ctx["abi_version"] == 1
+    assert ctx["abi_version"] == ABI_VERSION == 2
     assert (ctx["num_qk_heads"], ctx["num_v_heads"], ctx["head_k_dim"], ctx["head_v_dim"], ctx["chunk_size"]) == \
         (4, 16, 128, 128, 64)
     assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (64, 2, 40, 232)

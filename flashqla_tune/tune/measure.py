@@ -50,13 +50,13 @@ def _dtype(plan: KernelPlan):
     return torch.bfloat16 if plan.spec.qkv_dtype == "bfloat16" else torch.float16
 
 
-def forward_on_inputs(plan: KernelPlan, x, out=None, final_out=None):
+def forward_on_inputs(plan: KernelPlan, x, out=None, final_out=None, prep_schedule: str = "auto"):
     """Run plan on a protocol input set, whose states are [N,Hv,K,V]; a state_v_first plan gets
     them transposed in and gives them back transposed, so results compare with the oracle."""
     vk = plan.spec.state_layout == "vk"
     h0 = x.initial_state.transpose(-1, -2).contiguous() if vk else x.initial_state
     o, s = runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, h0, x.scale,
-                           True, False, out=out, final_out=final_out)
+                           True, False, out=out, final_out=final_out, prep_schedule=prep_schedule)
     return o, (s.transpose(-1, -2) if vk else s)
 
 
