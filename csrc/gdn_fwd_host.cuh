@@ -46,8 +46,8 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   const Workspace<Cfg> ws(T, N);
   char* base = static_cast<char*>(a.workspace);
 
-  using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK>;
-  auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK>;
+  using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK, Cfg::PrepThreads>;
+  auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
   // Per process and plan: the attribute belongs to the function, the SM count to the device
   // (one kind of GPU per process is assumed, as the plan is compiled for one).
@@ -60,7 +60,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     if (err == cudaSuccess) err = cudaGetDevice(&device);
     if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, kPrepThreads, PrepCfg::SmemBytes);
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
     if (err != cudaSuccess) return err;
     prep_ctas_per_sm = per_sm > 0 ? per_sm : 1;
     sm_count = sms;
@@ -110,7 +110,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     prep_ctas = int64_t(sm_count) * prep_ctas_per_sm;
   }
   prep_ctas = prep_ctas < pa.num_items ? prep_ctas : pa.num_items;
-  prep<<<unsigned(prep_ctas > 0 ? prep_ctas : 1), kPrepThreads, PrepCfg::SmemBytes, stream>>>(pa);
+  prep<<<unsigned(prep_ctas > 0 ? prep_ctas : 1), PrepCfg::Threads, PrepCfg::SmemBytes, stream>>>(pa);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 

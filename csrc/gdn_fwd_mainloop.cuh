@@ -37,7 +37,7 @@ constexpr int kRowsPerConsumer = 64;  // wgmma M: state rows (values) per consum
 constexpr int kOutPitch = kRowsPerConsumer + 8;  // padded row of the O staging tile (no bank conflicts)
 
 template <class Elem_, int Hqk_, int Hv_, int HeadK_, int HeadV_, int BlockV_, int Stages_, bool StateVFirst_,
-          int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1, bool OutputGroup_ = false>
+          int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1, bool OutputGroup_ = false, int PrepThreads_ = 256>
 struct FwdConfig {
   using Elem = Elem_;
   static constexpr int Hqk = Hqk_, Hv = Hv_, HeadK = HeadK_, HeadV = HeadV_;
@@ -61,6 +61,7 @@ struct FwdConfig {
   static_assert(128 * (ProducerRegs + Consumers * ConsumerRegs + (OutputGroup ? LaunchRegs : 0)) <= LaunchRegs * Threads,
                 "the register split exceeds the pool the launch bounds leave");
   static_assert(HeadK == 128, "the shared-memory layouts assume K = 128");
+  static constexpr int PrepThreads = PrepThreads_;  // the prep kernel's CTA (gdn_prep.cuh)
   static_assert(HeadV % BlockV == 0, "block_v must divide V");
 
   using C64 = Int<kChunk>;

@@ -1,16 +1,18 @@
 // Chunk preparation kernel: the parts of the chunked GDN forward that are parallel over chunks.
 //
 // Work item: one (chunk, q/k head); it serves the Hv / Hqk v-heads that read this q/k head.
-// Persistent CTAs walk the items (PrepOrder), loading the next item's q and k tiles by TMA
-// while they solve the current one. Per chunk and v-head an item writes, slot-indexed (see
+// Persistent CTAs walk the items (PrepOrder); the next item's q and k tiles load by TMA as soon
+// as this item's GEMMs have read them, so the loads hide behind the solve. Per chunk and v-head an item writes, slot-indexed (see
 // gdn_sequences.cuh):
 //   gamma[i]  in-chunk cumulative log-decay; padding rows repeat the last valid value
 //   Aw[i][j]  = e^{gamma_i - gamma_j} A0[i][j] b_j  (j <= i), A0 = (I + strictly_lower(diag(b) K K^T))^{-1}
 //   P[i][j]   = scale e^{gamma_i - gamma_j} (q_i . k_j)  (j <= i)
 // Rows and columns past the sequence end are zero, so the sequential kernel needs no masks.
 // K K^T and Q K^T run on the tensor cores (one warp group each); A0 is solved without
-// exponentials (gate-free), one column per thread for up to kHeadBatch v-heads at once, then the
-// decay mask is applied. With ready flags, each finished item is published so the sequential
+// exponentials (gate-free), one column per thread for up to Threads / 64 v-heads at once, then the
+// decay mask is applied. Threads is a plan parameter (prep_threads): 256 solves four v-heads per
+// item; 128 solves two but fits three CTAs per SM, for models with one or two v-heads per q/k
+// head, where most of a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so the sequential
 // kernel can run beside this one (see gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
@@ -28,6 +30,17 @@ namespace fqt {
 
 using namespace cute;
 
+// 4-byte asynchronous global -> shared copy (cp.async); a null source writes a zero instead
+// (`fallback` is any valid address: the hardware reads none of it).
+__device__ __forceinline__ void copy_f32_async(float* dst, const float* src, const float* fallback) {
+  const uint32_t dst_addr = uint32_t(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src ? src : fallback),
+               "r"(src ? 4 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // How the prep kernel's persistent CTAs walk the (chunk, q/k head) work items.
 enum PrepOrder : int {
   kSlotMajor = 0,    // slot by slot: every sequence's chunks in storage order (the prep runs alone)
@@ -35,12 +48,14 @@ enum PrepOrder : int {
                      // sequential kernel, running beside the prep, consumes them
 };
 
-constexpr int kPrepThreads = 256;
 constexpr int kPrepPad = kChunk + 4;  // padded rows of 64x64 fp32 tiles (16-byte aligned rows)
-constexpr int kHeadBatch = kPrepThreads / kChunk;  // v-heads solved at once: one A0 column per thread
 
-template <class Elem, int Hqk, int HeadK>
+template <class Elem, int Hqk, int HeadK, int Threads_>
 struct PrepConfig {
+  static constexpr int Threads = Threads_;
+  static_assert(Threads == 128 || Threads == 256, "the prep kernel runs one or two warp groups");
+  static constexpr int HeadBatch = Threads / kChunk;  // v-heads solved at once: one A0 column per thread
+  static constexpr int CtasPerSm = Threads == 256 ? 2 : 3;
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;
   using LayoutQK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, CK>{}));
@@ -53,15 +68,16 @@ struct PrepConfig {
     return make_tma_atom(SM90_TMA_LOAD{}, g, LayoutQK{}, Shape<C64, CK>{});
   }
   using TmaQK = decltype(tma_qk(nullptr, 1));
-  // q and k are double-buffered: the next item's tiles load while this one is solved.
   struct alignas(1024) SharedStorage {
-    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q[2];
-    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k[2];
+    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
+    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
     float kk[kChunk * kPrepPad];
     float qk[kChunk * kPrepPad];
-    float gamma[kHeadBatch][kChunk];
-    float beta[kHeadBatch][kChunk];
-    uint64_t loaded[2];
+    float gamma[HeadBatch][kChunk];
+    float beta[HeadBatch][kChunk];
+    float g_next[HeadBatch][kChunk];     // the next item's gates and betas (first head batch), copied
+    float beta_next[HeadBatch][kChunk];  // asynchronously while this item is solved
+    uint64_t loaded;
   };
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t TileTxBytes = uint32_t(2 * sizeof(Elem) * cosize_v<LayoutQK>);
@@ -125,10 +141,12 @@ __device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item) 
   return item < a.num_items ? item : a.num_items;
 }
 
-template <class Elem, int Hqk, int Hv, int HeadK>
-__global__ void __launch_bounds__(kPrepThreads, 2) gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfig<Elem, Hqk, HeadK>> args) {
+template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
+__global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads>::CtasPerSm))
+    gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfig<Elem, Hqk, HeadK, Threads>> args) {
   constexpr int G = Hv / Hqk;
-  using Cfg = PrepConfig<Elem, Hqk, HeadK>;
+  using Cfg = PrepConfig<Elem, Hqk, HeadK, Threads>;
+  constexpr int HeadBatch = Cfg::HeadBatch;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
   using LoadBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -143,8 +161,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) gdn_prep_kernel(CUTE_GRID_CON
   const int tid = threadIdx.x;
   const int64_t T = args.total_tokens;
   if (tid == 0) {
-    LoadBarrier::init(&ss.loaded[0], 1);
-    LoadBarrier::init(&ss.loaded[1], 1);
+    LoadBarrier::init(&ss.loaded, 1);
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
@@ -154,58 +171,94 @@ __global__ void __launch_bounds__(kPrepThreads, 2) gdn_prep_kernel(CUTE_GRID_CON
   Tensor mQ = args.tma_q.get_tma_tensor(make_shape(int32_t(T), int32_t(Hqk * HeadK)));
   Tensor mK = args.tma_k.get_tma_tensor(make_shape(int32_t(T), int32_t(Hqk * HeadK)));
   // One thread loads an item's q and k tiles (rows past T arrive as zeros).
-  auto issue_loads = [&](const PrepItem& it, int buf) {
+  auto issue_loads = [&](const PrepItem& it) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
     Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(0, it.hqk));
     Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(0, it.hqk));
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q[buf].data()), typename Cfg::LayoutQK{});
-    Tensor sK = make_tensor(make_smem_ptr(ss.k[buf].data()), typename Cfg::LayoutQK{});
-    LoadBarrier::arrive_and_expect_tx(&ss.loaded[buf], Cfg::TileTxBytes);
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
+    LoadBarrier::arrive_and_expect_tx(&ss.loaded, Cfg::TileTxBytes);
     auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    copy(args.tma_q.with(ss.loaded[buf]), tq, sq);
+    copy(args.tma_q.with(ss.loaded), tq, sq);
     auto [tk, sk] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    copy(args.tma_k.with(ss.loaded[buf]), tk, sk);
+    copy(args.tma_k.with(ss.loaded), tk, sk);
+  };
+
+  // Gates of rows [2 lane, 2 lane + 1] of v-head (hb + warp) of an item: padding rows get g = 0, b = 0.
+  auto gate_source = [&](const PrepItem& it, int hb, int t, const float* base) -> const float* {
+    const int warp = tid / 32, lane = tid % 32, i = 2 * lane + t;
+    const int64_t tok = it.range.start + it.chunk * kChunk + i;
+    return i < it.range.rows_in_chunk(it.chunk) ? base + tok * Hv + it.hqk * G + hb + warp : nullptr;
+  };
+  // The next item's first-batch gates, copied to shared memory without stalling this thread.
+  auto prefetch_gates = [&](const PrepItem& it) {
+    const int warp = tid / 32, lane = tid % 32;
+    if (warp < min(HeadBatch, G)) {
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        copy_f32_async(&ss.g_next[warp][2 * lane + t], gate_source(it, 0, t, args.g), args.g);
+        copy_f32_async(&ss.beta_next[warp][2 * lane + t], gate_source(it, 0, t, args.beta), args.beta);
+      }
+    }
+    cp_async_fence();
+  };
+  // In-chunk cumulative log-decay and beta of head batch hb into shared memory (warps < nb).
+  auto scan_gates = [&](int nb, const float (&g)[2], const float (&b)[2]) {
+    const int warp = tid / 32, lane = tid % 32;
+    if (warp < nb) {
+      const float pair = g[0] + g[1];
+      float incl = pair;
+      for (int o = 1; o < 32; o <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+      }
+      const float excl = incl - pair;
+      ss.gamma[warp][2 * lane] = excl + g[0];
+      ss.gamma[warp][2 * lane + 1] = excl + g[0] + g[1];
+      ss.beta[warp][2 * lane] = b[0];
+      ss.beta[warp][2 * lane + 1] = b[1];
+    }
   };
 
   int64_t item = next_valid_item<Hqk>(args, blockIdx.x);
-  if (tid == 0 && item < args.num_items) issue_loads(prep_item<Hqk>(args, item), 0);
-  uint32_t phases = 0u;  // bit b: the parity the next load into buffer b completes
-  for (int buf = 0; item < args.num_items; buf ^= 1) {
+  if (item < args.num_items) {
+    const PrepItem first = prep_item<Hqk>(args, item);
+    if (tid == 0) issue_loads(first);
+    prefetch_gates(first);
+  }
+  for (uint32_t phase = 0u; item < args.num_items; phase ^= 1u) {
     const PrepItem it = prep_item<Hqk>(args, item);
     const int64_t next = next_valid_item<Hqk>(args, item + gridDim.x);
-    // The other buffer's last reader finished before the barrier that closed the previous item.
-    if (tid == 0 && next < args.num_items) issue_loads(prep_item<Hqk>(args, next), buf ^ 1);
     const int64_t slot = it.slot;
     const int hqk = it.hqk;
     const int64_t tok0 = it.range.start + it.chunk * kChunk;
     const int L = it.range.rows_in_chunk(it.chunk);
 
-    // Gates of the first head batch, loaded while the tiles are in flight (padding rows: g = 0, b = 0).
-    float g_in[2] = {0.f, 0.f}, b_in[2] = {0.f, 0.f};
-    auto load_gates = [&](int hb) {
+    // 0. The first head batch's gates (copied during the previous item) -> gamma, beta. Each
+    //    thread reads only what it copied itself, so waiting for its own copies is enough.
+    {
+      cp_async_wait_all();
       const int warp = tid / 32, lane = tid % 32;
-      if (warp < min(kHeadBatch, G - hb)) {
-        const int hv = hqk * G + hb + warp;
+      float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
+      if (warp < min(HeadBatch, G)) {
         CUTE_UNROLL
         for (int t = 0; t < 2; ++t) {
-          const int i = 2 * lane + t;
-          g_in[t] = i < L ? args.g[(tok0 + i) * Hv + hv] : 0.f;
-          b_in[t] = i < L ? args.beta[(tok0 + i) * Hv + hv] : 0.f;
+          g[t] = ss.g_next[warp][2 * lane + t];
+          b[t] = ss.beta_next[warp][2 * lane + t];
         }
       }
-    };
-    load_gates(0);
+      scan_gates(min(HeadBatch, G), g, b);
+    }
 
-    mbarrier_wait(&ss.loaded[buf], (phases >> buf) & 1u);
-    phases ^= 1u << buf;
+    mbarrier_wait(&ss.loaded, phase);
 
     // 1. Rows past the sequence end (another sequence's tokens) become zeros; with l2norm, rows are
     //    normalised in place and also written out for the sequential kernel's TMA loads.
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q[buf].data()), typename Cfg::LayoutQK{});
-    Tensor sK = make_tensor(make_smem_ptr(ss.k[buf].data()), typename Cfg::LayoutQK{});
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
     if (args.use_qk_l2norm || L < kChunk) {
       const int warp = tid / 32, lane = tid % 32, d0 = lane * 4;
-      for (int r = warp; r < kChunk; r += kPrepThreads / 32) {
+      for (int r = warp; r < kChunk; r += Threads / 32) {
         if (r >= L) {
           for (int i = 0; i < 4; ++i) sQ(r, d0 + i) = sK(r, d0 + i) = Elem(0.f);
           continue;
@@ -241,49 +294,55 @@ __global__ void __launch_bounds__(kPrepThreads, 2) gdn_prep_kernel(CUTE_GRID_CON
     }
     __syncthreads();
 
-    // 2. K K^T (warp group 0) and Q K^T (warp group 1) on the tensor cores, into fp32 tiles.
+    // 2. K K^T and Q K^T on the tensor cores, into fp32 tiles: one per warp group with two,
+    //    both in turn with one.
     {
       typename Cfg::Mma mma;
       auto thr = mma.get_thread_slice(tid % 128);
-      const bool kk_group = tid < 128;
-      Tensor tA = thr.partition_fragment_A(kk_group ? sK : sQ);
       Tensor tB = thr.partition_fragment_B(sK);
-      Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-      wgmma_gemm(mma, tA, tB, acc, true);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
       Tensor crd = thr.partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<kChunk>>{}));
-      float* out = kk_group ? ss.kk : ss.qk;
       CUTE_UNROLL
-      for (int e = 0; e < size(acc); ++e) out[get<0>(crd(e)) * kPrepPad + get<1>(crd(e))] = acc(e);
+      for (int pass = 0; pass < 256 / Threads; ++pass) {
+        const bool kk_gemm = (Threads == 256 ? tid < 128 : pass == 0);
+        Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
+        Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        wgmma_gemm(mma, tA, tB, acc, true);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+        float* out = kk_gemm ? ss.kk : ss.qk;
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); ++e) out[get<0>(crd(e)) * kPrepPad + get<1>(crd(e))] = acc(e);
+      }
     }
     __syncthreads();
+    // The tiles and the gate buffers are free now (the GEMMs and step 0 were their last readers):
+    // the next item's loads run during the solve.
+    if (next < args.num_items) {
+      const PrepItem upcoming = prep_item<Hqk>(args, next);
+      if (tid == 0) issue_loads(upcoming);
+      prefetch_gates(upcoming);
+    }
 
-    for (int hb = 0; hb < G; hb += kHeadBatch) {
-      const int nb = min(kHeadBatch, G - hb);
-      // 3. gate cumsum and beta per head of the batch (the first batch's gates are already loaded).
-      {
-        if (hb > 0) load_gates(hb);
-        const int warp = tid / 32, lane = tid % 32;
-        if (warp < nb) {
-          const int i0 = 2 * lane, i1 = 2 * lane + 1;
-          const float pair = g_in[0] + g_in[1];
-          float incl = pair;
-          for (int o = 1; o < 32; o <<= 1) {
-            const float up = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += up;
+    for (int hb = 0; hb < G; hb += HeadBatch) {
+      const int nb = min(HeadBatch, G - hb);
+      // 3. Later head batches (more than Threads / 64 v-heads per q/k head) load their gates here.
+      if (hb > 0) {
+        float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
+        if (tid / 32 < nb) {
+          CUTE_UNROLL
+          for (int t = 0; t < 2; ++t) {
+            const float* gs = gate_source(it, hb, t, args.g);
+            const float* bs = gate_source(it, hb, t, args.beta);
+            g[t] = gs ? *gs : 0.f;
+            b[t] = bs ? *bs : 0.f;
           }
-          const float excl = incl - pair;
-          ss.gamma[warp][i0] = excl + g_in[0];
-          ss.gamma[warp][i1] = excl + g_in[0] + g_in[1];
-          ss.beta[warp][i0] = b_in[0];
-          ss.beta[warp][i1] = b_in[1];
         }
+        scan_gates(nb, g, b);
+        __syncthreads();
       }
-      __syncthreads();
 
       // 4. A0 one column per thread (head h = tid / 64, column c = tid % 64), by forward
       //    substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1.
@@ -294,21 +353,32 @@ __global__ void __launch_bounds__(kPrepThreads, 2) gdn_prep_kernel(CUTE_GRID_CON
         if (h < nb) {
           const float* bet = ss.beta[h];
           float x[kChunk];
-          CUTE_UNROLL
-          for (int i = 0; i < kChunk; ++i) {
-            const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
-            float part[4] = {0.f, 0.f, 0.f, 0.f};
+          // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
+          // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
+          auto solve_from = [&](auto first_row) {
+            constexpr int I0 = decltype(first_row)::value;
             CUTE_UNROLL
-            for (int j4 = 0; j4 < i; j4 += 4) {
-              const float4 kk = row[j4 / 4];
-              const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+            for (int i = 0; i < I0; ++i) x[i] = 0.f;
+            CUTE_UNROLL
+            for (int i = I0; i < kChunk; ++i) {
+              const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+              float part[4] = {0.f, 0.f, 0.f, 0.f};
               CUTE_UNROLL
-              for (int t = 0; t < 4; ++t)
-                if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+              for (int j4 = I0; j4 < i; j4 += 4) {
+                const float4 kk = row[j4 / 4];
+                const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+                CUTE_UNROLL
+                for (int t = 0; t < 4; ++t)
+                  if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+              }
+              const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
+              x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
             }
-            const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
-            x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
-          }
+          };
+          if (c >= kChunk / 2)
+            solve_from(Int<kChunk / 2>{});
+          else
+            solve_from(Int<0>{});
           const int hv = hqk * G + hb + h;
           Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
           const float gc = ss.gamma[h][c], bc = bet[c];
@@ -326,7 +396,7 @@ __global__ void __launch_bounds__(kPrepThreads, 2) gdn_prep_kernel(CUTE_GRID_CON
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
         uint32_t* pm = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.p) + base);
         const float* gam = ss.gamma[h];
-        for (int idx = tid; idx < kChunk * kChunk / 2; idx += kPrepThreads) {
+        for (int idx = tid; idx < kChunk * kChunk / 2; idx += Threads) {
           const int i = (2 * idx) / kChunk, j = (2 * idx) % kChunk;
           float pv[2] = {0.f, 0.f};
           for (int t = 0; t < 2; ++t) {

@@ -112,9 +112,15 @@ def check_grad(*tensors):
 
 
 def check_gpu(device):
-    major, minor = torch.cuda.get_device_capability(device)
+    _check_gpu_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _check_gpu_index(index: int) -> None:
+    """Per device, once: a GPU's architecture does not change while the process runs."""
+    major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
+        name = torch.cuda.get_device_name(index)
         raise UnsupportedError(f"{name} is sm_{major}{minor}; the kernels are built for sm_90a (H100/H200)")
 
 

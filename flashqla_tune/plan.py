@@ -39,6 +39,7 @@ class TileParams:
     consumer_regs: int = 232     # registers per thread of each math (consumer) warp group
     ctas_per_sm: int = 1         # CTAs resident per SM (two let two sequential chains share an SM)
     output_group: int = 0        # 1: a further warp group computes O from the chain's handed-over S and Vn
+    prep_threads: int = 256      # the prep kernel's CTA: 256 solves 4 v-heads per item, 128 two (3 CTAs/SM)
 
     @property
     def consumers(self) -> int:
@@ -68,6 +69,8 @@ class TileParams:
             raise PlanError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
         if self.output_group not in (0, 1):
             raise PlanError(f"output_group={self.output_group} must be 0 or 1")
+        if self.prep_threads not in (128, 256):
+            raise PlanError(f"prep_threads={self.prep_threads} must be 128 or 256 (one or two warp groups)")
         if self.output_group and self.block_v != 64:
             raise PlanError(f"output_group=1 pairs the output warp group with one chain: block_v must be 64, "
                             f"not {self.block_v}")
@@ -131,8 +134,9 @@ class KernelPlan:
         t = self.tiles
         occupancy = f"_c{t.ctas_per_sm}" if t.ctas_per_sm != 1 else ""
         output = "_og" if t.output_group else ""
+        prep = f"_p{t.prep_threads}" if t.prep_threads != 256 else ""
         return (f"{self.spec.name}__bv{t.block_v}_st{t.stages}_r{t.producer_regs}x{t.consumer_regs}"
-                f"{occupancy}{output}")
+                f"{occupancy}{output}{prep}")
 
     def to_dict(self) -> dict:
         return {"spec": self.spec.to_dict(), "tiles": dataclasses.asdict(self.tiles)}

@@ -92,6 +92,7 @@ def render_context(plan: KernelPlan) -> dict:
         "consumer_regs": t.consumer_regs,
         "ctas_per_sm": t.ctas_per_sm,
         "output_group": _cbool(bool(t.output_group)),
+        "prep_threads": t.prep_threads,
     }
 
 

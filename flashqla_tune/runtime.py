@@ -101,5 +101,9 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def current_stream_handle(device) -> int:
-    """torch's current CUDA stream on device, as the cudaStream_t the library launches on."""
+    """torch's current CUDA stream on device, as the cudaStream_t the library launches on. The raw
+    getter skips building a torch.cuda.Stream object (3.4 us of a 55 us eager call on the H200)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream

@@ -3,10 +3,11 @@
 #   bash scripts/h200_next_session.sh tests       GPU tests of the forward on the current kernel
 #                                                 and the per-kernel profile
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call
+#   bash scripts/h200_next_session.sh sweep       plan variants (scripts/tile_sweep.py), oracle-checked and timed
 #   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
 #                                                 2/8 and 4/16 scoreboard rows that fit
-#   bash scripts/h200_next_session.sh scoreboard  the scoreboard's few-head rows first: ours, FLA,
-#                                                 FlashQLA (no PyTorch baseline, so it fits one call)
+#   bash scripts/h200_next_session.sh scoreboard [--heads H/V ...]   scoreboard rows that fit one
+#                                                 call: ours, FLA, FlashQLA (no PyTorch baseline)
 # Logs go to $OUT; each step prints its summary last.
 set -uo pipefail
 OUT=${OUT:-/tmp/next_out}
@@ -23,6 +24,9 @@ case "${1:-tests}" in
     timeout 190 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
   host)
     timeout 60 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2 ;;
+  sweep)
+    timeout 560 python3 scripts/tile_sweep.py "$OUT" > "$OUT/tile_sweep.log" 2>&1
+    tail -n 45 "$OUT/tile_sweep.log" | cut -c1-220 ;;
   fix-and-score)
     # a subset of the GPU tests (what a fix touched: "-k" expression in $2), then the scoreboard
     timeout 150 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider -k "$2" \
@@ -33,11 +37,13 @@ case "${1:-tests}" in
       --budget-s 330 > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
   scoreboard)
-    # the few-head configurations first (the rows where FLA is closest); --budget-s stops
-    # starting new cases in time for the table to be written
+    # heads from the arguments (e.g. --heads 16/16 --heads 8/24), else the few-head ones first
+    # (the rows where FLA is closest); --budget-s stops starting new cases in time for the table
+    heads=("${@:2}")
+    [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8 --heads 4/16 --heads 16/64)
     timeout 560 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla \
-      --heads 2/8 --heads 4/16 --heads 16/64 --accuracy-max-tokens 0 --sample-budget-s 0.08 \
-      --budget-s 470 "${@:2}" > "$OUT/scoreboard_run.log" 2>&1
+      "${heads[@]}" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s 470 \
+      > "$OUT/scoreboard_run.log" 2>&1
     tail -n 40 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | fix-and-score | scoreboard)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard)" >&2; exit 2 ;;
 esac

@@ -53,7 +53,7 @@ def main(out_dir: str) -> int:
     args = abi.FqtGdnFwdArgs(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(), beta=beta.data_ptr(),
         cu_seqlens=cu.data_ptr(), initial_state=h0.data_ptr(), final_state=final.data_ptr(), o=o.data_ptr(),
-        workspace=workspace.data_ptr(), total_tokens=T, num_seqs=1, scale=128 ** -0.5, use_qk_l2norm=0, reserved=0)
+        workspace=workspace.data_ptr(), total_tokens=T, num_seqs=1, scale=128 ** -0.5, use_qk_l2norm=0, prep_schedule=0)
     stream = runtime.current_stream_handle(v.device)
     with torch.no_grad():
         result = {

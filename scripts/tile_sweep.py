@@ -18,19 +18,21 @@ from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import CacheBuilder, GraphTimer, OracleChecker
 
 VARIANTS = [TileParams(), TileParams(stages=3), TileParams(block_v=128),
-            TileParams(block_v=128, producer_regs=24, consumer_regs=240),
-            TileParams(stages=1, producer_regs=24, ctas_per_sm=2), TileParams(stages=1),
-            TileParams(output_group=1), TileParams(output_group=1, producer_regs=24, consumer_regs=240)]
+            TileParams(block_v=128, producer_regs=24, consumer_regs=240), TileParams(stages=1),
+            TileParams(output_group=1), TileParams(output_group=1, producer_regs=24, consumer_regs=240),
+            TileParams(prep_threads=128), TileParams(stages=3, prep_threads=128)]
 # (h_qk, h_v) -> the scoreboard length mixes to time
-ROWS = {(2, 8): [(32768,), (8192,), (1024,) * 8], (16, 64): [(8192,), (8192,) * 4], (8, 32): [(32768,)]}
+ROWS = {(2, 8): [(32768,), (8192,), (1024,) * 8], (16, 16): [(32768,), (8192,)], (16, 32): [(8192,)],
+        (16, 64): [(8192,), (8192,) * 4], (8, 32): [(32768,)]}
 
 
 def main(out_dir: str) -> int:
     results = []
+    # every variant of every configuration in one parallel ninja run, before any GPU work
+    plans_of = {heads: [KernelPlan(default_plan(GDNSpec(*heads)).spec, t) for t in VARIANTS] for heads in ROWS}
+    built = CacheBuilder().build([p for plans in plans_of.values() for p in plans])
     for (hqk, hv), seqlens in ROWS.items():
-        spec = default_plan(GDNSpec(hqk, hv)).spec
-        plans = [KernelPlan(spec, t) for t in VARIANTS]
-        built = CacheBuilder().build(plans)
+        plans = plans_of[(hqk, hv)]
         checker, timer = OracleChecker(), GraphTimer(seqlens)
         for plan in plans:
             row = {"heads": f"{hqk}/{hv}", "plan": plan.name.split("__")[1]}

@@ -76,3 +76,22 @@ def test_cu_seqlens_cpu_values_are_checked():
         _check_offsets([0, 9], 2, 8)
     with pytest.raises(ValueError, match="has 2 entries but cu_seqlens has 3"):
         _check_offsets([0, 8], 3, 8)
+
+
+def test_a_gpu_other_than_sm90_is_refused_by_name(monkeypatch):
+    """Simulated devices (no GPU here): an A100 is refused with its name and arch; the answer
+    is kept per device index, so an H200 on another index is asked separately and accepted."""
+    from flashqla_tune import ops
+
+    caps = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: caps[index])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: ["NVIDIA A100", "NVIDIA H200"][index])
+    ops._check_gpu_index.cache_clear()
+    try:
+        with pytest.raises(UnsupportedError, match="NVIDIA A100 is sm_80; the kernels are built for sm_90a"):
+            ops.check_gpu(torch.device("cuda", 0))
+        ops.check_gpu(torch.device("cuda", 1))
+        caps[1] = (8, 6)  # cached: the arch of a device is asked once
+        ops.check_gpu(torch.device("cuda", 1))
+    finally:
+        ops._check_gpu_index.cache_clear()

@@ -15,7 +15,8 @@ from flashqla_tune.spec import GDNSpec
 FIXTURE_TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 CONTRACT_KEYS = {"plan_name", "plan_json", "abi_version", "num_qk_heads", "num_v_heads", "head_k_dim", "head_v_dim",
                  "chunk_size", "element_type", "state_v_first", "qk_l2norm_in_kernel", "block_v", "stages",
-                 "producer_regs", "consumer_regs", "ctas_per_sm", "output_group"}
+                 "producer_regs", "consumer_regs", "ctas_per_sm", "output_group",
+                 "prep_threads"}
 
 
 def fixture_renderer() -> Renderer:

@@ -56,6 +56,7 @@ def test_spec_name_and_round_trip():
     (TileParams(block_v=128, producer_regs=176, consumer_regs=168), "producer_regs=176 exceeds the 168 registers"),
     (TileParams(block_v=128, output_group=1), "output_group=1 pairs the output warp group with one chain"),
     (TileParams(output_group=2), "output_group=2 must be 0 or 1"),
+    (TileParams(prep_threads=64), "prep_threads=64 must be 128 or 256"),
     (TileParams(block_v=128, stages=3), "need 234496 B of shared memory per CTA; 1 CTA\\(s\\) per SM allow 232448 B"),
     (TileParams(stages=2, producer_regs=24, ctas_per_sm=2), "2 CTA\\(s\\) per SM allow 115712 B"),
 ])

@@ -18,6 +18,7 @@ SPACE: dict[str, tuple[int, ...]] = {
     "consumer_regs": REGISTER_STEPS,
     "ctas_per_sm": (1, 2),
     "output_group": (0, 1),
+    "prep_threads": (128, 256),
 }
 # Hand-picked variants that built and passed the oracle on the H200 (scripts/tile_sweep.py);
 # the default comes first so every study has its baseline.
