@@ -1,0 +1,121 @@
+"""Context-parallel segment lengths: the default cost model (issue 5, docs/cp-design.md).
+
+A long sequence with few heads leaves most SMs idle: one CTA per (v-tile, v-head) walks all its
+chunks. Cutting the sequence into S segments of L chunks runs more CTAs at once:
+- a warm-up head's segment first runs its window of n_h chunks from a zero state, then its own
+  L chunks (L + n_h chunk-steps, all segments in parallel);
+- an exact head (n_h = -1) chains exactly: a state-only pass per segment gives its zero-state end
+  state H and its transition M (2 L), a chain walks the boundaries (S_{s+1} = M_s S_s + H_s, one
+  GEMM each), then the forward runs each segment from its chained state (L).
+The model, in chunk-steps (the time one chain needs per chunk):
+
+    depth      = the longest dependent path: L + n_max (warm-up); L + S chain steps + L (exact)
+    work       = sum over CTAs of (chunk-steps walked + start cost)
+    makespan  ~= max(depth, work / resident CTA slots)
+
+For each sequence-length bucket (a power of two in chunks), the plan keeps the L that minimises
+the makespan if it beats no segmentation by `min_gain`, else 0 (no CP). L is always longer than
+the longest window it warms up over (DESIGN.md, "Calibration contract"). The tuner refines the
+table on the GPU; this is the documented default.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+class CPPlanError(ValueError):
+    """A warm-up profile or machine description that the model cannot use."""
+
+
+@dataclass(frozen=True)
+class WarmupProfile:
+    """What the planner needs from a calibration: pooled over every (layer, v-head) pair."""
+    exact_share: float     # fraction of pairs chained exactly (n_h = -1)
+    mean_window: float     # mean n_h of the warm-up pairs, in chunks
+    max_window: int        # largest n_h: a segment must be longer than this
+
+    def __post_init__(self):
+        if not 0.0 <= self.exact_share <= 1.0:
+            raise CPPlanError(f"exact_share={self.exact_share} must lie in [0, 1]")
+        if self.max_window < 0 or not 0.0 <= self.mean_window <= self.max_window:
+            raise CPPlanError(f"mean_window={self.mean_window} and max_window={self.max_window} must satisfy "
+                              f"0 <= mean <= max")
+
+    @classmethod
+    def from_tables(cls, tables: list[list[int]]) -> "WarmupProfile":
+        """From per-layer warm-up tables (the kernel's values: n_h >= 1, or -1 = exact)."""
+        values = [n for table in tables for n in table]
+        if not values:
+            raise CPPlanError("no warm-up values: a profile needs at least one (layer, head) entry")
+        bad = [n for n in values if n != -1 and n < 1]
+        if bad:
+            raise CPPlanError(f"warm-up values must be -1 (exact) or >= 1 chunks, got {bad[0]}")
+        warm = [n for n in values if n > 0]
+        return cls(exact_share=1.0 - len(warm) / len(values),
+                   mean_window=sum(warm) / len(warm) if warm else 0.0,
+                   max_window=max(warm) if warm else 0)
+
+    @classmethod
+    def from_calibration(cls, calibration) -> "WarmupProfile":
+        return cls.from_tables([layer.warmup_table for layer in calibration.layers])
+
+
+@dataclass(frozen=True)
+class Machine:
+    sms: int = 132               # H200
+    ctas_per_sm: int = 1         # resident sequential-kernel CTAs per SM (the plan's ctas_per_sm)
+    cta_start: float = 2.0       # chunk-steps a CTA spends before its first chunk (state load, pipeline fill)
+    chain_step: float = 0.5      # chunk-steps per boundary of the exact chain (a 128^3 GEMM, fp32 states)
+
+    def __post_init__(self):
+        if self.sms < 1 or self.ctas_per_sm < 1 or self.cta_start < 0 or self.chain_step < 0:
+            raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm}, cta_start={self.cta_start}, "
+                              f"chain_step={self.chain_step} must be positive")
+
+
+def makespan(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine) -> float:
+    """Modelled chunk-steps for one sequence of `chunks` chunks over `chains` (v-tile, v-head)
+    chains; segment 0 (or >= chunks) means no CP."""
+    slots = machine.sms * machine.ctas_per_sm
+    if segment <= 0 or segment >= chunks:
+        depth = chunks + machine.cta_start
+        return max(depth, chains * depth / slots)
+    segments = math.ceil(chunks / segment)
+    warm_chains = chains * (1.0 - profile.exact_share)
+    exact_chains = chains * profile.exact_share
+    start = machine.cta_start
+    work = (warm_chains * segments * (segment + profile.mean_window + start)
+            + exact_chains * segments * (3 * segment + 3 * start)
+            + exact_chains * segments * machine.chain_step)
+    depth = segment + profile.max_window + start
+    if exact_chains > 0:
+        depth = max(depth, 2 * (segment + start) + segments * machine.chain_step)
+    return max(depth, work / slots)
+
+
+def segment_length(chunks: int, chains: int, profile: WarmupProfile, machine: Machine,
+                   min_gain: float = 1.1) -> int:
+    """The segment length (chunks) for one sequence length, or 0 when CP does not pay."""
+    if chains < 1 or chunks < 0:
+        raise CPPlanError(f"chains={chains} must be >= 1 and chunks={chunks} >= 0")
+    base = makespan(chunks, 0, chains, profile, machine)
+    best, best_time = 0, base
+    length = 1
+    while length < chunks:
+        if length > profile.max_window:
+            t = makespan(chunks, length, chains, profile, machine)
+            if t < best_time:
+                best, best_time = length, t
+        length *= 2
+    return best if best and base >= min_gain * best_time else 0
+
+
+def segment_table(chains: int, profile: WarmupProfile, machine: Machine, max_log2_chunks: int = 14,
+                  min_gain: float = 1.1) -> dict[int, int]:
+    """{bucket: segment length}: a sequence of c chunks uses the entry of the power of two at or
+    above c. 2^14 chunks is 1M tokens; longer sequences use the last bucket's length."""
+    return {2 ** b: segment_length(2 ** b, chains, profile, machine, min_gain) for b in range(max_log2_chunks + 1)}
+
+
+__all__ = ["CPPlanError", "Machine", "WarmupProfile", "makespan", "segment_length", "segment_table"]

@@ -1,0 +1,77 @@
+"""The default context-parallel cost model (flashqla_tune/cp_plan.py): which segment length a
+sequence gets, from the calibration's warm-up profile and the machine."""
+from __future__ import annotations
+
+import pytest
+
+from flashqla_tune.cp_plan import CPPlanError, Machine, WarmupProfile, makespan, segment_length, segment_table
+
+H200 = Machine()
+
+
+def test_few_chains_on_a_long_sequence_are_segmented_longer_than_their_window():
+    profile = WarmupProfile(exact_share=0.0, mean_window=2.0, max_window=3)
+    L = segment_length(512, 16, profile, H200)        # 2/8, 32k tokens: 16 chains
+    assert L > profile.max_window
+    assert makespan(512, L, 16, profile, H200) * 5 < makespan(512, 0, 16, profile, H200)
+
+
+def test_a_full_gpu_gets_no_segments():
+    profile = WarmupProfile(exact_share=0.0, mean_window=2.0, max_window=3)
+    assert segment_length(512, 132, profile, H200) == 0    # one chain per SM already
+    assert segment_length(512, 1024, profile, H200) == 0
+
+
+def test_exact_heads_cost_more_but_still_pay_on_few_chains():
+    warm = WarmupProfile(exact_share=0.0, mean_window=2.0, max_window=3)
+    mixed = WarmupProfile(exact_share=0.25, mean_window=2.0, max_window=3)
+    L_warm, L_mixed = segment_length(512, 16, warm, H200), segment_length(512, 16, mixed, H200)
+    assert 0 < L_mixed and 0 < L_warm
+    assert makespan(512, L_mixed, 16, mixed, H200) > makespan(512, L_warm, 16, warm, H200)
+
+
+def test_windows_longer_than_every_candidate_mean_no_cp():
+    profile = WarmupProfile(exact_share=0.0, mean_window=300.0, max_window=600)
+    assert segment_length(512, 16, profile, H200) == 0
+
+
+def test_short_sequences_and_the_table():
+    profile = WarmupProfile(exact_share=0.0, mean_window=1.0, max_window=1)
+    table = segment_table(16, profile, H200, max_log2_chunks=10)
+    assert sorted(table) == [2 ** b for b in range(11)]
+    assert table[1] == 0 and table[2] == 0           # nothing to split
+    assert all(L == 0 or (profile.max_window < L < bucket) for bucket, L in table.items())
+    assert table[1024] > 0
+
+
+def test_profile_from_tables_and_calibration_shape():
+    profile = WarmupProfile.from_tables([[1, 2, -1, 4], [2, 2, 2, -1]])
+    assert profile.exact_share == pytest.approx(0.25)
+    assert profile.mean_window == pytest.approx(13 / 6)
+    assert profile.max_window == 4
+    all_exact = WarmupProfile.from_tables([[-1, -1]])
+    assert (all_exact.exact_share, all_exact.mean_window, all_exact.max_window) == (1.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: WarmupProfile(exact_share=1.5, mean_window=1.0, max_window=2), "exact_share=1.5 must lie in"),
+    (lambda: WarmupProfile(exact_share=0.1, mean_window=3.0, max_window=2), "mean_window=3.0 and max_window=2"),
+    (lambda: WarmupProfile.from_tables([[2, 0]]), "must be -1 \\(exact\\) or >= 1 chunks, got 0"),
+    (lambda: WarmupProfile.from_tables([]), "no warm-up values"),
+    (lambda: Machine(sms=0), "sms=0"),
+    (lambda: segment_length(64, 0, WarmupProfile(0.0, 1.0, 1), H200), "chains=0 must be >= 1"),
+])
+def test_bad_inputs_name_the_value(make, message):
+    with pytest.raises(CPPlanError, match=message):
+        make()
+
+
+def test_profile_from_a_calibration_pools_layers_and_heads():
+    from pack_doubles import synthetic_calibration
+
+    cal = synthetic_calibration()          # 3 layers x 8 heads, one exact head (layer 1, head 5)
+    profile = WarmupProfile.from_calibration(cal)
+    tables = [layer.warmup_table for layer in cal.layers]
+    assert profile.exact_share == pytest.approx(1 / 24)
+    assert profile.max_window == max(n for t in tables for n in t)
+    assert segment_length(512, 16, profile, H200) > profile.max_window
