@@ -34,9 +34,11 @@ typedef struct FqtGdnFwdArgs {
   int64_t num_seqs;
   float scale;
   int32_t use_qk_l2norm;  // normalise q and k rows in-kernel: x / sqrt(sum x^2 + 1e-6)
-  // FQT_PREP_AUTO: overlap the prep and sequential kernels when the sequential grid leaves half
-  // the SMs idle; FQT_PREP_SERIAL / FQT_PREP_OVERLAP force one schedule (the results are the same
-  // bit for bit; tests and benchmarks compare them).
+  // FQT_PREP_AUTO: overlap the prep and sequential kernels when the sequential grid leaves enough
+  // SMs idle (gdn_fwd_host.cuh has the rule); FQT_PREP_SERIAL / FQT_PREP_OVERLAP force one
+  // schedule; other values are refused (cudaErrorInvalidValue). For well-formed cu_seqlens the
+  // results are the same bit for bit (tests and benchmarks compare them); offsets that overlap
+  // after clamping give unspecified rows, never an out-of-bounds access.
   int32_t prep_schedule;
 } FqtGdnFwdArgs;
 

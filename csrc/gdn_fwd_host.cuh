@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <mutex>
+
 #include "gdn_abi.h"
 #include "gdn_fwd_mainloop.cuh"
 #include "gdn_prep.cuh"
@@ -16,6 +18,14 @@
 namespace fqt {
 
 inline int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+constexpr int kMaxDevices = 64;
+struct DeviceSetup {
+  std::once_flag once;
+  cudaError_t error = cudaSuccess;
+  int sm_count = 0;
+  int prep_ctas_per_sm = 1;
+};
 
 // Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P, then the
 // prep's ready flags [Hqk, slots].
@@ -49,22 +59,29 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK, Cfg::PrepThreads>;
   auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
-  // Per process and plan: the attribute belongs to the function, the SM count to the device
-  // (one kind of GPU per process is assumed, as the plan is compiled for one).
-  static int sm_count = 0, prep_ctas_per_sm = 0;
-  if (sm_count == 0) {
-    cudaError_t err = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepCfg::SmemBytes);
-    if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
-    int device = 0, sms = 0, per_sm = 0;
-    if (err == cudaSuccess) err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err == cudaSuccess)
-      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
-    if (err != cudaSuccess) return err;
-    prep_ctas_per_sm = per_sm > 0 ? per_sm : 1;
-    sm_count = sms;
-  }
+  // Once per device and plan (thread-safe): function attributes and occupancy belong to the
+  // device's copy of the kernels, the SM count to the device.
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  static DeviceSetup setups[kMaxDevices];
+  DeviceSetup& setup = setups[device];
+  std::call_once(setup.once, [&] {
+    int sms = 0, per_sm = 0;
+    cudaError_t e = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepCfg::SmemBytes);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
+    setup.error = e;
+    setup.sm_count = sms;
+    setup.prep_ctas_per_sm = per_sm > 0 ? per_sm : 1;
+  });
+  if (setup.error != cudaSuccess) return setup.error;
+  const int sm_count = setup.sm_count, prep_ctas_per_sm = setup.prep_ctas_per_sm;
+  if (a.prep_schedule != FQT_PREP_AUTO && a.prep_schedule != FQT_PREP_SERIAL && a.prep_schedule != FQT_PREP_OVERLAP)
+    return cudaErrorInvalidValue;
 
   if (slots > 0x7fffffff || N > 65535) return cudaErrorInvalidValue;
   const int64_t main_ctas = int64_t(Cfg::HeadV / Cfg::BlockV) * Cfg::Hv * N;
@@ -75,7 +92,8 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   const int64_t free_sms = sm_count - main_sms;
   bool overlap = free_sms >= 12 * N * Cfg::Hqk && T >= 4096 * N;
   if (a.prep_schedule == FQT_PREP_SERIAL) overlap = false;
-  if (a.prep_schedule == FQT_PREP_OVERLAP) overlap = main_sms < sm_count;  // needs one free SM
+  // Forced overlap needs one free SM; with few it is correct but slow (a test and benchmark switch).
+  if (a.prep_schedule == FQT_PREP_OVERLAP) overlap = main_sms < sm_count;
 
   PrepArgs<PrepCfg> pa{
       PrepCfg::tma_qk(static_cast<const Elem*>(a.q), T),
@@ -103,7 +121,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     // sequential grid leaves (one CTA each, so the sequential CTAs find whole SMs free).
     pa.num_items = ((T + kChunk - 1) / kChunk) * N * Cfg::Hqk;
     prep_ctas = sm_count - main_sms;
-    cudaError_t err = cudaMemsetAsync(pa.ready, 0, size_t(Cfg::Hqk) * size_t(slots) * sizeof(uint32_t), stream);
+    err = cudaMemsetAsync(pa.ready, 0, size_t(Cfg::Hqk) * size_t(slots) * sizeof(uint32_t), stream);
     if (err != cudaSuccess) return err;
   } else {
     pa.num_items = slots * Cfg::Hqk;
@@ -111,7 +129,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   }
   prep_ctas = prep_ctas < pa.num_items ? prep_ctas : pa.num_items;
   prep<<<unsigned(prep_ctas > 0 ? prep_ctas : 1), PrepCfg::Threads, PrepCfg::SmemBytes, stream>>>(pa);
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
 
   const Elem* q = static_cast<const Elem*>(a.use_qk_l2norm ? pa.q_normed : a.q);

@@ -441,7 +441,8 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     const int valid = range.rows_in_chunk(c);
     if (valid < kChunk) {
       // A tail chunk's rows past the sequence end hold the next sequence's tokens or tokens no
-      // sequence owns (whatever the caller's tensor or the workspace holds there). Their weights
+      // sequence owns (whatever the caller's tensor or the workspace holds there; with in-kernel
+      // L2 norm and the overlapped prep, even rows another prep CTA is still writing). Their weights
       // in Aw and K^T Vs are zero, but 0 x NaN is NaN, so K's and V's padding rows are zeroed
       // before any GEMM reads them. Every consumer takes part: they share the stage.
       Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});  // (v, t)

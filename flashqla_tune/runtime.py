@@ -83,6 +83,9 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         if output_final_state:
             final.copy_(h0) if h0 is not None else final.zero_()
         return o, final
+    schedule = PREP_SCHEDULES.get(prep_schedule)
+    if schedule is None:
+        raise ValueError(f"prep_schedule={prep_schedule!r} must be one of {sorted(PREP_SCHEDULES)}")
     lib = library(plan)
     workspace = torch.empty(lib.workspace_bytes(T, N), dtype=torch.uint8, device=v.device)
     args = abi.FqtGdnFwdArgs(
@@ -90,7 +93,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         cu_seqlens=cu_seqlens.data_ptr(), initial_state=None if h0 is None else h0.data_ptr(),
         final_state=final.data_ptr() if output_final_state else None, o=o.data_ptr(),
         workspace=workspace.data_ptr(), total_tokens=T, num_seqs=N, scale=float(scale),
-        use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=PREP_SCHEDULES[prep_schedule])
+        use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=schedule)
     lib.launch(args, current_stream_handle(v.device))
     return o, final
 

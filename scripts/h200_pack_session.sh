@@ -6,8 +6,10 @@
 #            the dispatch target and the error bar of the forward tests
 # `tests`: the GPU tests of packs (the forward's are scripts/h200_next_session.sh tests). `build`: `flashqla-tune build` of the shipped
 # checkpoint with tuning (TUNE_BUDGET seconds, default 300), leaving its log, the tuning journal
-# and the pack's manifest and calibration in $OUT. One step per call (each fits the 10-minute limit):
+# and the pack's manifest and calibration in $OUT. `workers`: two tuner processes sharing one
+# journal on one GPU. One step per call (each fits the 10-minute limit):
 #   bash scripts/h200_pack_session.sh tests ; bash scripts/h200_pack_session.sh build
+#   bash scripts/h200_pack_session.sh workers
 set -uo pipefail
 OUT=${OUT:-/tmp/pack_out}
 mkdir -p "$OUT"
@@ -17,6 +19,19 @@ device_setup .whl .whl-hf || exit 1
 device_report "$OUT"
 python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.txt"
 STEP=${1:-tests}
+if [ "$STEP" = workers ]; then
+# Issue 6, part 4, on one GPU: two tuner processes share one journal (--study-dir) and split the
+# trials; each closing table lists the trials per worker. TUNE_BUDGET seconds each (default 240).
+jobs=$(( $(nproc) / 2 ))
+for w in 1 2; do
+  python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
+    tune --hqk 2 --hv 8 --study-dir "$OUT/study" --budget "${TUNE_BUDGET:-240}" --jobs "$jobs" --no-progress \
+    > "$OUT/worker$w.log" 2>&1 &
+done
+wait
+for w in 1 2; do echo "== worker $w"; tail -n 22 "$OUT/worker$w.log"; done
+exit 0
+fi
 if [ "$STEP" = tests ]; then
 timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -q -s -m gpu tests/test_gpu_pack.py \
   -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1

@@ -21,6 +21,7 @@ from gdn_inputs import gate_values, rel_l2  # noqa: E402
 
 from flashqla_tune import ops, runtime  # noqa: E402
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked  # noqa: E402
+from flashqla_tune.plan import KernelPlan, TileParams  # noqa: E402
 
 DEV = "cuda"
 LOG = []
@@ -57,12 +58,18 @@ def make_case(seed, seqlens, hqk, hv, dtype, decay, h0, layout_vk, normalised=Tr
                 cu_seqlens=cu, state_v_first=layout_vk)
 
 
+def variant_plan(hqk, hv, tiles):
+    return KernelPlan(ops._spec(hqk, hv, 128, 128, True, False), tiles)
 
-def run_ours(inp, l2norm, prep_schedule="auto"):
-    """Through the public op's plan, into NaN-poisoned buffers."""
+
+PREP_VARIANT_HEADS = [(16, 16), (2, 8), (16, 48)]
+
+
+def run_ours(inp, l2norm, prep_schedule="auto", plan=None):
+    """Through the public op's plan (or `plan`), into NaN-poisoned buffers."""
     q, v = inp["q"], inp["v"]
     B, T = q.shape[:2]
-    plan = runtime.default_plan_for(ops.call_spec(q, v, inp["state_v_first"]))
+    plan = plan or runtime.default_plan_for(ops.call_spec(q, v, inp["state_v_first"]))
     cu = inp["cu_seqlens"]
     if cu is None:
         cu = torch.arange(0, (B + 1) * T, T, device=DEV, dtype=torch.int64)
@@ -123,7 +130,9 @@ def built_plans():
 
     specs = {ops._spec(hqk, hv, 128, 128, dtype == torch.bfloat16, vk)
              for _, hqk, hv, dtype, _, _, vk, _, _, _ in CASES.values()}
-    get_kernels([runtime.default_plan_for(spec) for spec in sorted(specs, key=str)])
+    plans = [runtime.default_plan_for(spec) for spec in sorted(specs, key=str)]
+    get_kernels(plans + [variant_plan(hqk, hv, TileParams(prep_threads=threads))
+                         for hqk, hv in PREP_VARIANT_HEADS for threads in (128, 256)])
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -266,3 +275,17 @@ def test_prep_schedules_agree_bitwise(seqlens, hqk, hv, l2norm):
     for t in (o_serial, s_serial, o_overlap, s_overlap):
         assert not torch.isnan(t).any()
     assert torch.equal(o_serial, o_overlap) and torch.equal(s_serial, s_overlap)
+
+
+@pytest.mark.parametrize("hqk, hv", PREP_VARIANT_HEADS)
+def test_prep_with_128_threads_agrees_bitwise(hqk, hv):
+    """prep_threads=128 (two v-heads per solve batch, three CTAs per SM) computes the same
+    numbers as the default 256: same GEMM shapes, same per-column solve; every element written."""
+    inp = make_case(12, [3000, 1, 777, 0, 130], hqk, hv, torch.bfloat16, "mixed", True, False, normalised=False)
+    with torch.no_grad():
+        o_256, s_256 = run_ours(inp, True, plan=variant_plan(hqk, hv, TileParams()))
+        o_128, s_128 = run_ours(inp, True, plan=variant_plan(hqk, hv, TileParams(prep_threads=128)))
+    torch.cuda.synchronize()
+    for t in (o_256, s_256, o_128, s_128):
+        assert not torch.isnan(t).any()
+    assert torch.equal(o_256, o_128) and torch.equal(s_256, s_128)

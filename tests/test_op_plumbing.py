@@ -112,3 +112,16 @@ def test_fake_tensors_take_the_custom_op_and_eager_calls_skip_its_dispatch(recor
     ops.run_checked(q, q, v, torch.randn(1, 130, 8), torch.rand(1, 130, 8), None, None, False, False, True,
                     torch.tensor([0, 130]), plan_name=plan.name)
     assert dispatched == [] and len(lib.calls) == 1
+
+
+def test_prep_schedule_reaches_the_library_and_bad_names_are_refused(recorded):
+    lib, plan = recorded
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, 64, 8)
+    cu = torch.tensor([0, 64])
+    for name, code in (("auto", 0), ("serial", 1), ("overlap", 2)):
+        runtime.forward(plan, q, q, v, g, g, cu, None, 1.0, False, False, prep_schedule=name)
+        assert lib.calls[-1][0].prep_schedule == code
+    with pytest.raises(ValueError, match="prep_schedule='sideways' must be one of"):
+        runtime.forward(plan, q, q, v, g, g, cu, None, 1.0, False, False, prep_schedule="sideways")

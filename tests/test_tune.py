@@ -137,6 +137,11 @@ def test_two_processes_share_one_journal_without_duplicating_trials(tmp_path):
     assert len(evaluated) == 16
     keys = [tuple(sorted(t.params.items())) for t in evaluated]
     assert len(set(keys)) == len(keys), "two workers evaluated the same config"
+    workers = {t.user_attrs.get("worker") for t in evaluated}
+    assert len(workers) == 2 and None not in workers, f"the trials should name both workers: {workers}"
+    lines = report.worker_lines(trials)
+    complete = sum(t.state == TrialState.COMPLETE for t in trials)
+    assert len(lines) == 2 and sum(int(line.split(", ")[1].split()[0]) for line in lines) == complete
     assert sum(bool(t.user_attrs.get("known_good")) for t in trials) == len(known_good(SPEC))
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING, TrialState.FAIL)]
 

@@ -14,8 +14,17 @@ TOP = 10
 
 
 def _tiles(params: dict) -> str:
+    extra = (" og" if params.get("output_group") else "") + (
+        f" p{params['prep_threads']}" if params.get("prep_threads", 256) != 256 else "")
     return (f"bv{params['block_v']} st{params['stages']} r{params['producer_regs']}x{params['consumer_regs']} "
-            f"c{params['ctas_per_sm']}")
+            f"c{params['ctas_per_sm']}{extra}")
+
+
+def worker_lines(trials) -> list[str]:
+    """How workers sharing the journal split the study: trials each asked for and measured."""
+    asked = Counter(t.user_attrs.get("worker", "?") for t in trials)
+    measured = Counter(t.user_attrs.get("worker", "?") for t in trials if t.state == TrialState.COMPLETE)
+    return [f"worker {w}: {asked[w]} trials, {measured[w]} measured" for w in sorted(asked)]
 
 
 def table(result: TuneResult, top: int = TOP) -> str:
@@ -40,4 +49,7 @@ def table(result: TuneResult, top: int = TOP) -> str:
     failed = sum(t.state == TrialState.FAIL for t in result.trials)
     if failed:
         lines.append(f"failed (uncaught errors): {failed}")
+    workers = worker_lines(result.trials)
+    if len(workers) > 1:
+        lines.extend(workers)
     return "\n".join(lines)

@@ -15,6 +15,8 @@ loop runs on the CPU with test doubles.
 """
 from __future__ import annotations
 
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +88,10 @@ class TuneResult:
         if self.best is None or self.default is None or not self.best.value:
             return None
         return self.default.value / self.best.value
+
+
+# Which process asked for a trial: shows how workers sharing a journal split the study.
+WORKER = f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _prune(study: optuna.Study, trial: optuna.Trial, stage: str, reason: str, **attrs) -> None:
@@ -166,6 +172,7 @@ class BatchTuner:
         while len(batch) < want and draws < MAX_DRAWS_PER_BATCH:
             draws += 1
             trial = self.study.ask()
+            trial.set_user_attr("worker", WORKER)
             tiles = suggest_tiles(trial)
             reason = validate(self.spec, tiles)
             if reason is not None:
