@@ -183,6 +183,9 @@ _ENTRY_RE = re.compile(r"ptxas info\s*: Compiling entry function '([^']+)'")
 _FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED_RE = re.compile(r"ptxas info\s*: Used (\d+) registers")
 _USED_PART_RE = re.compile(r"(\d+) (barriers|bytes smem|bytes cmem\[\d+\])")
+# ptxas falls back to waiting after every wgmma when it cannot prove the asynchronous pipeline
+# safe (advisory C7514 and relatives): correct, but the tensor cores then run one GEMM at a time.
+_SERIALIZED_RE = re.compile(r"wgmma\.mma_async instructions are serialized due to (.*?) in the function '([^']+)'")
 
 
 def parse_ptxas_report(text: str) -> dict:
@@ -190,11 +193,15 @@ def parse_ptxas_report(text: str) -> dict:
 
     Keys are the (mangled) symbol names; `entry` is True for kernels. Functions ptxas lists
     without a "Used" line (non-inlined device functions) carry only frame and spill numbers.
+    A function whose wgmma ptxas serialized carries `wgmma_serialized` (ptxas's reason).
     """
     functions: dict[str, dict] = {}
     current: str | None = None
     for line in text.splitlines():
-        if m := _ENTRY_RE.search(line):
+        if m := _SERIALIZED_RE.search(line):
+            functions.setdefault(m.group(2), {}).setdefault("entry", True)
+            functions[m.group(2)]["wgmma_serialized"] = m.group(1).strip()
+        elif m := _ENTRY_RE.search(line):
             current = m.group(1)
             functions.setdefault(current, {})["entry"] = True
         elif m := _FUNC_RE.search(line):

@@ -94,6 +94,12 @@ ptxas info    : Function properties for _Z6helperv
     assert report["_Z4kernPf"] == {"entry": True, "stack_frame": 8, "spill_stores": 12, "spill_loads": 16,
                                    "registers": 168, "barriers": 16, "smem": 1024, "cmem": {"cmem[0]": 560}}
     assert report["_Z6helperv"] == {"entry": False, "stack_frame": 24, "spill_stores": 0, "spill_loads": 0}
+    serialized = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are "
+                  "serialized due to non wgmma instructions reading accumulator registers of  a wgmma between "
+                  "start and end of the pipeline stage in the function '_Z4kernPf'\n")
+    report = parse_ptxas_report(serialized + text)
+    assert report["_Z4kernPf"]["wgmma_serialized"].startswith("non wgmma instructions reading accumulator")
+    assert report["_Z4kernPf"]["registers"] == 168 and "wgmma_serialized" not in report["_Z6helperv"]
 
 
 def test_sass_parser_counts_opcodes_without_modifiers():
@@ -330,15 +336,17 @@ def test_ninja_is_idle_when_nothing_changed_and_tracks_headers(tc, tmp_path):
     assert rebuilt.seconds is not None
 
 
-# Shipped configurations CI compiles for sm_90a with the real template and csrc/ (about 50 s
+# Shipped configurations CI compiles for sm_90a with the real template and csrc/ (about 45 s
 # cold on 2 cores, 3 plans with ninja -j2). Budget recorded from the first kernel (nvcc 13.0,
-# CUTLASS 4.2): spills were 148/156 B (bf16 kv), 180/236 B (fp16 vk), 0 B (block_v 32).
+# CUTLASS 4.2): spills were 148/156 B (bf16 kv), 180/236 B (fp16 vk), 0 B (block_v 32); since
+# kernel v5 (2026-11-30) all three plans, both kernels, spill 0 B. No plan may have its wgmma
+# serialized by ptxas (C7514: a deferred-output experiment did, see docs/kernel-notes.md).
 SHIPPED_PLANS = (
     default_plan(GDNSpec(2, 8)),
     default_plan(GDNSpec(16, 16, qkv_dtype="float16", state_layout="vk", qk_l2norm_in_kernel=True)),
     KernelPlan(GDNSpec(4, 16), TileParams(block_v=128, producer_regs=24, consumer_regs=240)),
 )
-SPILL_BUDGET_BYTES = 512
+SPILL_BUDGET_BYTES = 64
 
 
 @pytest.mark.slow
@@ -358,6 +366,8 @@ def test_shipped_plans_compile_for_sm90a_on_tensor_cores_and_tma(tmp_path):
         assert kernels, f"{entry.plan.name}: ptxas reported no kernel"
         for name, r in kernels.items():
             assert r["registers"] <= 255, (entry.plan.name, name, r)
+            assert "wgmma_serialized" not in r, \
+                f"{entry.plan.name}: ptxas serialized the wgmma pipeline of {name}: {r['wgmma_serialized']}"
             assert r["spill_stores"] <= SPILL_BUDGET_BYTES and r["spill_loads"] <= SPILL_BUDGET_BYTES, \
                 f"{entry.plan.name}: {name} spills {r} beyond the {SPILL_BUDGET_BYTES} B budget"
         summary = sass.instruction_counts(entry.so_path)

@@ -63,7 +63,8 @@ def run(args) -> int:
         when = f"built in {e.build_seconds:.1f} s" if e.built else "cached"
         print(f"{e.plan.name}\n  {e.path}\n  {when}")
         for name, r in _kernels(e.resources).items():
+            serial = f"; WGMMA SERIALIZED by ptxas ({r['wgmma_serialized']})" if r.get("wgmma_serialized") else ""
             print(f"  {name}: {r.get('registers', '?')} registers, spill {r.get('spill_stores', 0)} B stores / "
                   f"{r.get('spill_loads', 0)} B loads, stack {r.get('stack_frame', 0)} B, "
-                  f"smem {r.get('smem', 0)} B static")
+                  f"smem {r.get('smem', 0)} B static{serial}")
     return 0
