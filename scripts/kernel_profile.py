@@ -23,8 +23,8 @@ from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import forward_on_inputs
 
 ROWS = [Case(2, 8, (32768,)), Case(2, 8, (8192,)), Case(2, 8, (2048,)), Case(2, 8, (8192,) * 4),
-        Case(2, 8, (4096, 28672)), Case(4, 16, (32768,)), Case(16, 64, (32768,)), Case(16, 64, (1024,) * 8),
-        Case(8, 32, (8192,) * 4)]
+        Case(2, 8, (4096, 28672)), Case(4, 16, (32768,)), Case(16, 16, (32768,)), Case(16, 16, (8192,)),
+        Case(16, 64, (32768,)), Case(16, 64, (1024,) * 8), Case(8, 32, (8192,) * 4)]
 REPEATS = 5
 SCHEDULES = ("serial", "overlap", "auto")
 
