@@ -101,7 +101,9 @@ def _tuning_record(result) -> dict:
             "best_trial": None if best is None else best.number,
             "times_ms": None if best is None else best.user_attrs.get("times_ms"),
             "default_times_ms": None if default is None else default.user_attrs.get("times_ms"),
-            "speedup_over_default": result.speedup}
+            "speedup_over_default": result.speedup,
+            "anchors": result.anchors,
+            "speedup_over_anchors": {name: result.speedup_over(name) for name in result.anchors}}
 
 
 def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: float | None = None,

@@ -20,7 +20,8 @@ from flashqla_tune.tune.study import open_study, study_name, study_path
 from flashqla_tune.tune.trial import BatchTuner
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_doubles import FakeClock, SyntheticTimer, synthetic_measurement  # noqa: E402
+from tune_doubles import (FailingAnchorTimer, FakeClock, SyntheticAnchorTimer, SyntheticTimer,  # noqa: E402
+                          synthetic_measurement)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 SPEC = kernel_spec(GDNSpec(8, 8))
@@ -184,3 +185,24 @@ def test_pack_tuning_record_from_a_result(tmp_path):
     assert rec["default_times_ms"] == res.default.user_attrs["times_ms"]
     assert rec["speedup_over_default"] == pytest.approx(res.speedup) and rec["speedup_over_default"] >= 1.0
     assert res.best_plan.tiles == tiles_from_params(res.best.params)
+
+
+def test_anchors_are_timed_once_after_the_search_and_compared_in_the_table(tmp_path):
+    anchors = SyntheticAnchorTimer()
+    tuner, m = _tuner(tmp_path, measurement=synthetic_measurement(anchors=anchors), max_trials=6)
+    res = tuner.run()
+    assert anchors.specs == [SPEC]
+    best_sum = sum(res.best.user_attrs["times_ms"].values())
+    assert res.speedup_over("fla") == pytest.approx(sum(res.anchors["fla"]["times_ms"].values()) / best_sum)
+    assert res.speedup_over("flashqla") is None
+    text = report.table(res)
+    assert "best vs fla (same run, same mixes): " in text
+    assert "flashqla: not compared (ModuleNotFoundError: No module named 'flash_qla')" in text
+
+
+def test_a_failing_anchor_is_recorded_not_raised(tmp_path):
+    tuner, _ = _tuner(tmp_path, measurement=synthetic_measurement(anchors=FailingAnchorTimer()), max_trials=3)
+    res = tuner.run()
+    assert res.best is not None
+    assert res.anchors == {"anchors": {"error": "RuntimeError: synthetic anchor failure"}}
+    assert "anchors: not compared (RuntimeError: synthetic anchor failure)" in report.table(res)

@@ -3,6 +3,7 @@ checker and a synthetic timer whose costs are a fixed function of the tiles, plu
 the timer advances so budget stops are deterministic."""
 from __future__ import annotations
 
+from flashqla_tune.plan import TileParams
 from flashqla_tune.tune.trial import BuildOutcome, CheckResult, Measurement
 
 
@@ -66,8 +67,28 @@ class SyntheticTimer:
         return {mix: c * (i + 1) for i, mix in enumerate(self.MIXES)}
 
 
-def synthetic_measurement(clock=None, seconds_per_trial=0.0) -> Measurement:
-    return Measurement(SyntheticBuilder(), FakeOracleChecker(), SyntheticTimer(clock, seconds_per_trial))
+class SyntheticAnchorTimer:
+    """Stands in for FLA and FlashQLA: 'fla' takes twice the synthetic default's time per mix,
+    'flashqla' is reported missing, as on a machine without it."""
+
+    def __init__(self):
+        self.specs: list = []
+
+    def time(self, spec):
+        self.specs.append(spec)
+        base = SyntheticTimer.cost(TileParams())
+        return {"fla": {"times_ms": {mix: 2 * base * (i + 1) for i, mix in enumerate(SyntheticTimer.MIXES)},
+                        "version": "synthetic"},
+                "flashqla": {"error": "ModuleNotFoundError: No module named 'flash_qla'"}}
+
+
+class FailingAnchorTimer:
+    def time(self, spec):
+        raise RuntimeError("synthetic anchor failure")
+
+
+def synthetic_measurement(clock=None, seconds_per_trial=0.0, anchors=None) -> Measurement:
+    return Measurement(SyntheticBuilder(), FakeOracleChecker(), SyntheticTimer(clock, seconds_per_trial), anchors)
 
 
 def run_worker(journal_root: str, max_trials: int, seed: int) -> None:

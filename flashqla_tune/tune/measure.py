@@ -113,12 +113,15 @@ class GraphTimer:
         return self._sets[key]
 
     def time(self, plan: KernelPlan, handle) -> dict[str, float]:
+        return self.time_call(plan.spec, _dtype(plan), lambda x: forward_on_inputs(plan, x))
+
+    def time_call(self, spec, dtype, fn) -> dict[str, float]:
+        """Median graph replay of fn(inputs) per length mix, on the run's shared input sets."""
         import torch
 
-        spec, times = plan.spec, {}
+        times = {}
         for seqlens in self.seqlens:
-            sets = self._rotation(Case(spec.num_qk_heads, spec.num_v_heads, seqlens), _dtype(plan))
-            fn = lambda x: forward_on_inputs(plan, x)  # noqa: E731
+            sets = self._rotation(Case(spec.num_qk_heads, spec.num_v_heads, seqlens), dtype)
             with torch.no_grad():
                 self.timer.warmup(fn, sets, rounds=1)
                 timing = self.timer.graph(fn, sets)
@@ -128,5 +131,31 @@ class GraphTimer:
         return times
 
 
-def gpu_measurement(jobs: int | None = None, seqlens=SEQLENS) -> Measurement:
-    return Measurement(CacheBuilder(jobs), OracleChecker(), GraphTimer(seqlens))
+class GraphAnchorTimer:
+    """FLA and FlashQLA (whichever import here) on the tuner's own mixes and input sets, so the
+    closing table's ratios come from one run. A missing or failing anchor is recorded with the
+    reason."""
+
+    def __init__(self, graph_timer: GraphTimer, names=("fla", "flashqla")):
+        self.graph_timer, self.names = graph_timer, tuple(names)
+
+    def time(self, spec) -> dict[str, dict]:
+        import torch
+
+        from ..bench.impls import call, load_impls
+
+        loaded, skipped = load_impls(self.names)
+        out: dict[str, dict] = {name: {"error": why} for name, why in skipped.items()}
+        dtype = torch.bfloat16 if spec.qkv_dtype == "bfloat16" else torch.float16
+        for impl in loaded:
+            try:
+                times = self.graph_timer.time_call(spec, dtype, lambda x, impl=impl: call(impl, x))
+                out[impl.name] = {"times_ms": times, "version": impl.version}
+            except Exception as exc:
+                out[impl.name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        return out
+
+
+def gpu_measurement(jobs: int | None = None, seqlens=SEQLENS, anchors=("fla", "flashqla")) -> Measurement:
+    timer = GraphTimer(seqlens)
+    return Measurement(CacheBuilder(jobs), OracleChecker(), timer, GraphAnchorTimer(timer, anchors) if anchors else None)

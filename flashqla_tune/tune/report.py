@@ -43,6 +43,13 @@ def table(result: TuneResult, top: int = TOP) -> str:
     elif result.best is not None:
         lines.append(f"best: trial {result.best.number} ({_tiles(result.best.params)}), "
                      f"{result.speedup:.3f}x the default's {base:.4f} ms")
+    for name, record in sorted(result.anchors.items()):
+        ratio = result.speedup_over(name)
+        if ratio is not None:
+            lines.append(f"best vs {name} (same run, same mixes): {ratio:.3f}x "
+                         f"({sum(record['times_ms'].values()):.4f} ms)")
+        else:
+            lines.append(f"{name}: not compared ({record.get('error', 'mixes differ from the best config')})")
     stages = Counter(t.user_attrs.get("stage", "?") for t in result.trials if t.state == TrialState.PRUNED)
     if stages:
         lines.append("pruned: " + ", ".join(f"{n} {stage}" for stage, n in sorted(stages.items())))

@@ -58,11 +58,17 @@ class Timer(Protocol):
     def time(self, plan: KernelPlan, handle) -> dict[str, float]: ...   # length mix label -> median ms
 
 
+class AnchorTimer(Protocol):
+    # FLA, FlashQLA on the same mixes and inputs: {name: {"times_ms": {mix: ms}} or {"error": why}}
+    def time(self, spec: GDNSpec) -> dict[str, dict]: ...
+
+
 @dataclass
 class Measurement:
     builder: Builder
     checker: Checker
     timer: Timer
+    anchors: AnchorTimer | None = None   # timed once per run, after the search
 
 
 @dataclass
@@ -74,6 +80,7 @@ class TuneResult:
     trials: list                       # every FrozenTrial of the study (all workers)
     evaluated_here: int                # trials this call built (or found broken)
     stopped_because: str
+    anchors: dict = field(default_factory=dict)   # AnchorTimer.time's answer for this run
 
     @property
     def best_tiles(self) -> TileParams | None:
@@ -88,6 +95,14 @@ class TuneResult:
         if self.best is None or self.default is None or not self.best.value:
             return None
         return self.default.value / self.best.value
+
+    def speedup_over(self, anchor: str) -> float | None:
+        """The anchor's sum of medians over the best config's, on the same mixes of this run."""
+        times = self.anchors.get(anchor, {}).get("times_ms")
+        best = None if self.best is None else self.best.user_attrs.get("times_ms")
+        if not times or not best or set(times) != set(best) or not self.best.value:
+            return None
+        return sum(times.values()) / sum(best.values())
 
 
 # Which process asked for a trial: shows how workers sharing a journal split the study.
@@ -266,5 +281,15 @@ class BatchTuner:
         trials = self.study.get_trials(deepcopy=False)
         default = params_of(TileParams())
         defaults = [t for t in trials if t.state == TrialState.COMPLETE and t.params == default]
-        return TuneResult(self.spec, self.study.study_name, self._best(), defaults[0] if defaults else None,
-                          trials, self.evaluated, stopped)
+        best = self._best()
+        return TuneResult(self.spec, self.study.study_name, best, defaults[0] if defaults else None,
+                          trials, self.evaluated, stopped, self._time_anchors() if best is not None else {})
+
+    def _time_anchors(self) -> dict:
+        """The anchors on this run's GPU and mixes; a failure is recorded, never the run's failure."""
+        if self.m.anchors is None:
+            return {}
+        try:
+            return self.m.anchors.time(self.spec)
+        except Exception as exc:
+            return {"anchors": {"error": _short(exc)}}
