@@ -70,8 +70,8 @@ class Machine:
 
     def __post_init__(self):
         if self.sms < 1 or self.ctas_per_sm < 1 or self.cta_start < 0 or self.chain_step < 0:
-            raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm}, cta_start={self.cta_start}, "
-                              f"chain_step={self.chain_step} must be positive")
+            raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm} must be >= 1 and "
+                              f"cta_start={self.cta_start}, chain_step={self.chain_step} >= 0")
 
 
 def makespan(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine) -> float:
