@@ -192,7 +192,6 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
   using CK = typename Cfg::CK;
   using CBV = typename Cfg::CBV;
   using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-  using EmptyBarrier = cutlass::arch::ClusterBarrier;
   constexpr int Stages = Cfg::Stages;
   cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
   cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
@@ -274,7 +273,6 @@ __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename C
   using Elem = typename Cfg::Elem;
   using C64 = typename Cfg::C64;
   using CM = typename Cfg::CM;
-  using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
   using Barrier = cutlass::arch::ClusterBarrier;
   typename Cfg::MmaOut mma;
   auto thr = mma.get_thread_slice(ctid);

@@ -1,5 +1,5 @@
 // Ordering: between the prep kernel and the sequential kernel when they overlap, and between an
-// mbarrier wait and the plain memory accesses it guards.
+// mbarrier or cp.async wait and the plain memory accesses it guards.
 //
 // The sequential kernel is launched as a programmatic dependent of the prep kernel (PDL), so it
 // may start while the prep still runs. Two ways to then read the prep's output safely:
@@ -11,6 +11,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <cute/arch/copy_sm80.hpp>
 #include <cutlass/arch/barrier.h>
 
 namespace fqt {
@@ -20,6 +21,12 @@ namespace fqt {
 // Every wait that guards plain accesses goes through here.
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t phase) {
   cutlass::arch::ClusterBarrier::wait(barrier, phase);
+  asm volatile("" ::: "memory");
+}
+
+// The same for CuTe's wait on this thread's cp.async copies (also an asm without a clobber).
+__device__ __forceinline__ void cp_async_wait_all_then_access() {
+  cute::cp_async_wait<0>();
   asm volatile("" ::: "memory");
 }
 

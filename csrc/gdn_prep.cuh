@@ -30,17 +30,6 @@ namespace fqt {
 
 using namespace cute;
 
-// 4-byte asynchronous global -> shared copy (cp.async); a null source writes a zero instead
-// (`fallback` is any valid address: the hardware reads none of it).
-__device__ __forceinline__ void copy_f32_async(float* dst, const float* src, const float* fallback) {
-  const uint32_t dst_addr = uint32_t(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src ? src : fallback),
-               "r"(src ? 4 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_fence() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
 // How the prep kernel's persistent CTAs walk the (chunk, q/k head) work items.
 enum PrepOrder : int {
   kSlotMajor = 0,    // slot by slot: every sequence's chunks in storage order (the prep runs alone)
@@ -133,7 +122,9 @@ __device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item) {
   return it;
 }
 
-// This CTA's next work item with something to do, at or after `item` (num_items when none is left).
+// This CTA's next work item with something to do, at or after `item` (num_items when none is
+// left). Callers decode it again with prep_item (a few cached cu_seqlens loads): carrying the
+// decoded item across the solve instead costs registers and made ptxas spill.
 template <int Hqk, class Args>
 __device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item) {
   for (; item < a.num_items; item += gridDim.x)
@@ -196,11 +187,15 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     if (warp < min(HeadBatch, G)) {
       CUTE_UNROLL
       for (int t = 0; t < 2; ++t) {
-        copy_f32_async(&ss.g_next[warp][2 * lane + t], gate_source(it, 0, t, args.g), args.g);
-        copy_f32_async(&ss.beta_next[warp][2 * lane + t], gate_source(it, 0, t, args.beta), args.beta);
+        // A padding row's copy reads nothing (zero-fill) from a valid stand-in address.
+        const float* g = gate_source(it, 0, t, args.g);
+        const float* b = gate_source(it, 0, t, args.beta);
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(g ? *g : *args.g, ss.g_next[warp][2 * lane + t], g != nullptr);
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b ? *b : *args.beta, ss.beta_next[warp][2 * lane + t],
+                                                     b != nullptr);
       }
     }
-    cp_async_fence();
+    cute::cp_async_fence();
   };
   // In-chunk cumulative log-decay and beta of head batch hb into shared memory (warps < nb).
   auto scan_gates = [&](int nb, const float (&g)[2], const float (&b)[2]) {
@@ -237,7 +232,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     // 0. The first head batch's gates (copied during the previous item) -> gamma, beta. Each
     //    thread reads only what it copied itself, so waiting for its own copies is enough.
     {
-      cp_async_wait_all();
+      cp_async_wait_all_then_access();
       const int warp = tid / 32, lane = tid % 32;
       float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
       if (warp < min(HeadBatch, G)) {

@@ -15,6 +15,15 @@ mkdir -p "$OUT"
 source scripts/device_setup.sh
 device_setup .whl || exit 1
 export FLA_DISABLE_BACKEND_DISPATCH=1
+# Ours, FLA and FlashQLA in one run (no PyTorch baseline): TIMEOUT_S BUDGET_S then --heads ...;
+# --budget-s stops starting new cases in time for the table to be written.
+same_run_scoreboard() {
+  local timeout_s=$1 budget_s=$2
+  shift 2
+  timeout "$timeout_s" bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla \
+    "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s "$budget_s" > "$OUT/scoreboard_run.log" 2>&1
+  tail -n 40 "$OUT/scoreboard_run.log"
+}
 case "${1:-tests}" in
   tests)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" 2>&1 | tee "$OUT/info.txt"
@@ -32,18 +41,12 @@ case "${1:-tests}" in
     timeout 150 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider -k "$2" \
       > "$OUT/gpu_tests_subset.log" 2>&1
     grep -E "passed|failed|error" "$OUT/gpu_tests_subset.log" | tail -n 3
-    timeout 420 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla \
-      --heads 2/8 --heads 4/16 --accuracy-max-tokens 0 --sample-budget-s 0.08 \
-      --budget-s 330 > "$OUT/scoreboard_run.log" 2>&1
-    tail -n 30 "$OUT/scoreboard_run.log" ;;
+    same_run_scoreboard 420 330 --heads 2/8 --heads 4/16 ;;
   scoreboard)
     # heads from the arguments (e.g. --heads 16/16 --heads 8/24), else the few-head ones first
-    # (the rows where FLA is closest); --budget-s stops starting new cases in time for the table
+    # (the rows where FLA is closest)
     heads=("${@:2}")
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8 --heads 4/16 --heads 16/64)
-    timeout 560 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla \
-      "${heads[@]}" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s 470 \
-      > "$OUT/scoreboard_run.log" 2>&1
-    tail -n 40 "$OUT/scoreboard_run.log" ;;
+    same_run_scoreboard 560 470 "${heads[@]}" ;;
   *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard)" >&2; exit 2 ;;
 esac
