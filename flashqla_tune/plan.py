@@ -155,8 +155,18 @@ def kernel_spec(spec: GDNSpec) -> GDNSpec:
     return dataclasses.replace(spec, qk_l2norm_in_kernel=False, beta_max=2.0)
 
 
+def default_tiles(spec: GDNSpec) -> TileParams:
+    """The untuned tiles for spec, from the H200 tile sweep (docs/gpu-logs/2026-11-30-v5-tile_sweep.json).
+    Three pipeline stages: 0.2-2% faster than two on eight of the nine rows timed (0.6% slower on
+    2/8 1024x8). One v-head per q/k head
+    takes the 128-thread prep CTA: a 256-thread CTA would solve its one head with a quarter of its
+    threads, while 128 threads fit three CTAs per SM (16/16 1x32768 1.263 -> 1.129 ms; on 2/8,
+    16/32, 16/64 and 8/32, with two or more v-heads per CTA, 128 threads are 2-18% slower)."""
+    return TileParams(stages=3, prep_threads=128 if spec.num_v_heads == spec.num_qk_heads else 256)
+
+
 def default_plan(spec: GDNSpec) -> KernelPlan:
-    return KernelPlan(kernel_spec(spec), TileParams())
+    return KernelPlan(kernel_spec(spec), default_tiles(spec))
 
 
-__all__ = ["KernelPlan", "PlanError", "SpecError", "TileParams", "default_plan", "kernel_spec"]
+__all__ = ["KernelPlan", "PlanError", "SpecError", "TileParams", "default_plan", "default_tiles", "kernel_spec"]

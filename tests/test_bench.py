@@ -162,6 +162,27 @@ def test_budget_marks_rows_not_run(tmp_path):
     assert "not run" in report.render_markdown(res)
 
 
+def test_table_written_mid_run_names_the_rows_not_reached(tmp_path):
+    """A run killed during its second row (a device call's time limit) leaves a table that lists
+    that row as not reached instead of dropping it."""
+    impls, _ = load_impls(["torch"])
+    torch_impl = impls[0]
+
+    def killed_on_two_heads(*args, **kwargs):  # stands in for the outside kill
+        if any(isinstance(a, torch.Tensor) and a.dim() == 4 and a.shape[2] == 2 for a in args):
+            raise KeyboardInterrupt
+        return torch_impl.fn(*args, **kwargs)
+    dying = torch_impl.__class__("torch", killed_on_two_heads, torch_impl.cu_dtype, "0", "test double")
+    with pytest.raises(KeyboardInterrupt):
+        runner.run([C.Case(1, 1, (8,), 8, 8), C.Case(2, 2, (8,), 8, 8)], [dying], {}, FakeTimerForTests(),
+                   device="cpu", out_dir=tmp_path, log=lambda m: None)
+    md = (tmp_path / "scoreboard.md").read_text()
+    assert "ended before this row" in md
+    rows = json.loads((tmp_path / "scoreboard.json").read_text())["rows"]
+    assert "error" not in rows[0] and rows[0]["times"]["torch"]["graph"]["median_ms"] == 40.0
+    assert rows[1]["heads"] == "2/2" and rows[1]["error"] == runner.NOT_REACHED
+
+
 def test_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "--help"])

@@ -64,7 +64,7 @@ def variant_plan(hqk, hv, tiles):
 
 PREP_VARIANT_HEADS = [(16, 16), (2, 8), (16, 48)]
 # Plans the tuner may pick besides the default (its search space and known-good list).
-TILE_VARIANTS = [TileParams(output_group=1), TileParams(block_v=128), TileParams(stages=3),
+TILE_VARIANTS = [TileParams(output_group=1, stages=2), TileParams(block_v=128, stages=2), TileParams(stages=2),
                  TileParams(stages=1, producer_regs=24, ctas_per_sm=2)]
 
 

@@ -31,7 +31,7 @@ def test_context_has_exactly_the_contract_keys():
     assert ctx["abi_version"] == ABI_VERSION == 2
     assert (ctx["num_qk_heads"], ctx["num_v_heads"], ctx["head_k_dim"], ctx["head_v_dim"], ctx["chunk_size"]) == \
         (4, 16, 128, 128, 64)
-    assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (64, 2, 40, 232)
+    assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (64, 3, 40, 232)
     assert ctx["ctas_per_sm"] == 1 and ctx["output_group"] == "false"
     assert ctx["element_type"] == "cutlass::bfloat16_t"
     assert ctx["state_v_first"] == "false" and ctx["qk_l2norm_in_kernel"] == "false"

@@ -78,7 +78,7 @@ def test_plan_refuses_unsupported_specs(spec, match):
 def test_default_plan_shares_binaries_across_runtime_only_fields():
     a = default_plan(GDNSpec(2, 8, qk_l2norm_in_kernel=True, beta_max=1.0))
     b = default_plan(GDNSpec(2, 8))
-    assert a == b and a.name == "gdn_qk2_v8_k128_v128_c64_scalar_bf16_kv__bv64_st2_r40x232"
+    assert a == b and a.name == "gdn_qk2_v8_k128_v128_c64_scalar_bf16_kv__bv64_st3_r40x232"
     assert KernelPlan.from_dict(a.to_dict()) == a
 
 

@@ -12,7 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from flashqla_tune.plan import TileParams, kernel_spec
+from flashqla_tune.plan import TileParams, default_tiles, kernel_spec
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune import report
 from flashqla_tune.tune.search_space import SPACE, known_good, params_of, tiles_from_params
@@ -43,7 +43,7 @@ def _evaluated(trials):
 def test_space_covers_every_tile_field_and_known_good_are_valid():
     assert set(SPACE) == set(params_of(TileParams()))
     good = known_good(SPEC)
-    assert good[0] == TileParams() and len(good) >= 4
+    assert good[0] == default_tiles(SPEC) and len(good) >= 4 and len(set(good)) == len(good)
     assert tiles_from_params(params_of(good[1])) == good[1]
     with pytest.raises(ValueError, match="warp"):
         tiles_from_params({"warp": 1})
@@ -63,11 +63,11 @@ def test_known_good_first_then_prune_reasons_and_best_choice(tmp_path):
     trials = sorted(res.trials, key=lambda t: t.number)
     # The default is trial 0 and every known-good config was tried before any sampled one.
     good = [params_of(t) for t in known_good(SPEC)]
-    assert trials[0].params == params_of(TileParams())
+    assert trials[0].params == params_of(default_tiles(SPEC))
     assert [t.params for t in trials[:len(good)]] == good
     assert all(t.user_attrs.get("known_good") for t in trials[:len(good)])
     stages = Counter(t.user_attrs.get("stage") for t in trials)
-    # Known-good stage-3 configs are rejected by the fake oracle, with its numbers, and never timed.
+    # Known-good stage-1 configs are rejected by the fake oracle, with its numbers, and never timed.
     wrong = [t for t in trials if t.user_attrs.get("stage") == "wrong"]
     assert wrong and all(t.state == TrialState.PRUNED for t in wrong)
     assert "o rel err 0.5" in wrong[0].user_attrs["prune_reason"]
@@ -86,7 +86,7 @@ def test_known_good_first_then_prune_reasons_and_best_choice(tmp_path):
     # Best = the smallest sum over the mix, and the speedup is over the measured default.
     done = [t for t in trials if t.state == TrialState.COMPLETE]
     assert res.best.value == min(t.value for t in done)
-    assert res.default.params == params_of(TileParams())
+    assert res.default.params == params_of(default_tiles(SPEC))
     assert res.speedup == pytest.approx(res.default.value / res.best.value)
     assert res.best.user_attrs["times_ms"].keys() == set(SyntheticTimer.MIXES)
     text = report.table(res)
@@ -121,7 +121,7 @@ def test_resume_continues_the_same_study_without_repeats(tmp_path):
     # The known-good configs were enqueued once, in the first call.
     assert sum(bool(t.user_attrs.get("known_good")) for t in res.trials) == len(known_good(SPEC))
     # The second call re-ran nothing of the first (the default above all).
-    assert params_of(TileParams()) not in [t.params for t in res.trials if t.number >= 5 and
+    assert params_of(default_tiles(SPEC)) not in [t.params for t in res.trials if t.number >= 5 and
                                            t.user_attrs.get("stage") not in ("invalid", "duplicate")]
 
 

@@ -30,9 +30,9 @@ class SyntheticBuilder:
 
 
 class FakeOracleChecker:
-    """Rejects configs with stages == 3 as if their output missed the oracle."""
+    """Rejects configs with stages == 1 as if their output missed the oracle."""
 
-    def __init__(self, wrong_stages=(3,)):
+    def __init__(self, wrong_stages=(1,)):
         self.wrong_stages = tuple(wrong_stages)
         self.checked: list[str] = []
 

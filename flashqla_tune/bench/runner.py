@@ -18,6 +18,8 @@ PROTOCOL = ("q, k L2-normalised bf16; v bf16; g = logsigmoid(randn)/16 fp32, 25%
             "g = 0; beta = sigmoid(randn) fp32; h0 fp32; K = V = 128; varlen B = 1; output_final_state on; "
             "scale 1/sqrt(128); FLA with FLA_DISABLE_BACKEND_DISPATCH=1; under torch.no_grad()")
 
+NOT_REACHED = "not run: the run ended before this row (killed from outside, e.g. a time limit)"
+
 
 def run(cases: list[Case], impls: list[Impl], skipped: dict[str, str], timer, *, modes=("graph", "eager"),
         device="cuda", ceilings: dict | None = None, accuracy_max_tokens: int = 8192,
@@ -34,14 +36,16 @@ def run(cases: list[Case], impls: list[Impl], skipped: dict[str, str], timer, *,
                  "l2_bytes": l2, "rotation_cap_bytes": rotation_cap_bytes, "prewarm": prewarm},
         "impls": {**{i.name: {"available": True, "version": i.version, "note": i.note} for i in impls},
                   **{n: {"available": False, "reason": r} for n, r in skipped.items()}},
-        "rows": [],
+        # Every row is listed from the start as not reached, so the table written after each row
+        # still names the rows a run killed from outside (a device call's time limit) never ran.
+        "rows": [{"heads": case.heads, "seqlens": case.seqlens_label, "lengths": list(case.seqlens),
+                  "tokens": case.total_tokens, "times": {}, "error": NOT_REACHED} for case in cases],
     }
     t_start = time.perf_counter()
     with torch.no_grad():
         for idx, case in enumerate(cases):
-            row = {"heads": case.heads, "seqlens": case.seqlens_label, "lengths": list(case.seqlens),
-                   "tokens": case.total_tokens, "times": {}}
-            results["rows"].append(row)
+            row = results["rows"][idx]
+            del row["error"]
             if budget_s is not None and time.perf_counter() - t_start > budget_s:
                 row["error"] = f"not run: the run's budget of {budget_s:.0f} s was spent"
                 continue

@@ -6,7 +6,7 @@ from collections import Counter
 
 from optuna.trial import TrialState
 
-from ..plan import TileParams
+from ..plan import default_tiles
 from .search_space import params_of
 from .trial import TuneResult
 
@@ -33,7 +33,7 @@ def table(result: TuneResult, top: int = TOP) -> str:
     lines = [f"study {result.study_name}: {len(result.trials)} trials "
              f"({result.evaluated_here} evaluated by this call; stopped: {result.stopped_because})"]
     lines.append(f"{'trial':>5}  {'tiles':<26} {'sum of medians ms':>18}  {'vs default':>10}")
-    default_params = params_of(TileParams())
+    default_params = params_of(default_tiles(result.spec))
     for t in done[:top]:
         speed = f"{base / t.value:.3f}x" if base and t.value else "n/a"
         mark = "  (default)" if t.params == default_params else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..plan import KernelPlan, PlanError, TileParams
+from ..plan import KernelPlan, PlanError, TileParams, default_tiles
 from ..spec import GDNSpec
 
 REGISTER_STEPS = tuple(range(24, 257, 8))   # setmaxnreg's legal values
@@ -21,10 +21,11 @@ SPACE: dict[str, tuple[int, ...]] = {
     "prep_threads": (128, 256),
 }
 # Hand-picked variants that built and passed the oracle on the H200 (scripts/tile_sweep.py);
-# the default comes first so every study has its baseline.
+# known_good puts the spec's default first so every study has its baseline.
 _KNOWN_GOOD = (
-    TileParams(),
     TileParams(stages=3),
+    TileParams(stages=3, prep_threads=128),
+    TileParams(),
     TileParams(block_v=128),
     TileParams(block_v=128, producer_regs=24, consumer_regs=240),
     TileParams(stages=1, producer_regs=24, ctas_per_sm=2),
@@ -61,5 +62,6 @@ def validate(spec: GDNSpec, tiles: TileParams) -> str | None:
 
 
 def known_good(spec: GDNSpec) -> list[TileParams]:
-    """The known-good configs that are valid for spec, default first."""
-    return [t for t in _KNOWN_GOOD if validate(spec, t) is None]
+    """The known-good configs that are valid for spec, its default (plan.default_tiles) first."""
+    default = default_tiles(spec)
+    return [default] + [t for t in _KNOWN_GOOD if t != default and validate(spec, t) is None]

@@ -26,7 +26,7 @@ import optuna
 from filelock import FileLock
 from optuna.trial import TrialState
 
-from ..plan import KernelPlan, TileParams
+from ..plan import KernelPlan, TileParams, default_tiles
 from ..spec import GDNSpec
 from .search_space import known_good, params_of, suggest_tiles, tiles_from_params, validate
 
@@ -279,7 +279,7 @@ class BatchTuner:
 
     def result(self, stopped: str = "") -> TuneResult:
         trials = self.study.get_trials(deepcopy=False)
-        default = params_of(TileParams())
+        default = params_of(default_tiles(self.spec))
         defaults = [t for t in trials if t.state == TrialState.COMPLETE and t.params == default]
         best = self._best()
         return TuneResult(self.spec, self.study.study_name, best, defaults[0] if defaults else None,
