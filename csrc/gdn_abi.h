@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FQT_ABI_VERSION 2
+#define FQT_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,14 +40,26 @@ typedef struct FqtGdnFwdArgs {
   // results are the same bit for bit (tests and benchmarks compare them); offsets that overlap
   // after clamping give unspecified rows, never an out-of-bounds access.
   int32_t prep_schedule;
+  // Warm-up context parallelism (gdn_cp.cuh); off when warmup is null. warmup: int32 [Hv] on the
+  // device, n_h >= 1 warm-up chunks or -1 (chain exactly). segment_chunks: int32 [32] on the
+  // device, entry b the segment length (chunks) of sequences of at most 2^b chunks, 0 = no split.
+  // max_segments: an upper bound on the call's segments (>= num_seqs; sizes the workspace and the
+  // grids; at most 21845), computed on the host from the table, total_tokens and num_seqs.
+  // A warm-up window is used only where its summed log-decay is at most log_eps and every token
+  // keeps 0 <= beta ||k||^2 <= 2; every other boundary is chained exactly. The prep schedule is
+  // then serial.
+  const int32_t* warmup;
+  const int32_t* segment_chunks;
+  int64_t max_segments;
+  float log_eps;
 } FqtGdnFwdArgs;
 
 // ABI version the library was built against (FQT_ABI_VERSION).
 int32_t fqt_abi_version(void);
 // JSON text describing the compiled plan (spec and tile parameters), for checks at load time.
 const char* fqt_plan_json(void);
-// Bytes of scratch a call with these sizes needs.
-int64_t fqt_gdn_fwd_workspace_bytes(int64_t total_tokens, int64_t num_seqs);
+// Bytes of scratch a call with these sizes needs (max_segments: 0 without context parallelism).
+int64_t fqt_gdn_fwd_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t max_segments);
 // Enqueue the forward on `stream` (a cudaStream_t). Returns 0 or a cudaError_t code; never syncs.
 int32_t fqt_gdn_fwd(const FqtGdnFwdArgs* args, void* stream);
 // Message for a code returned above.

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "gdn_abi.h"
+#include "gdn_cp.cuh"
 #include "gdn_fwd_mainloop.cuh"
 #include "gdn_prep.cuh"
 
@@ -28,11 +29,14 @@ struct DeviceSetup {
 };
 
 // Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P, then the
-// prep's ready flags [Hqk, slots].
+// prep's ready flags [Hqk, slots]; with context parallelism (segments > 0) then the segment
+// tables, the jobs and the fp32 boundary, H and M states of up to `segments` segments.
 template <class Cfg>
 struct Workspace {
   int64_t qn, kn, gamma, aw, p, ready, total;
-  Workspace(int64_t T, int64_t N) {
+  int64_t segments = 0, seg_seq = 0, seg_index = 0, seq_first = 0, seq_count = 0, jobs_state = 0, jobs_fwd = 0,
+          exact = 0, boundary = 0, h_end = 0, m_end = 0;
+  Workspace(int64_t T, int64_t N, int64_t max_segments) {
     const int64_t slots = num_chunk_slots(T, N);
     const int64_t qk_bytes = align256(T * Cfg::Hqk * Cfg::HeadK * int64_t(sizeof(typename Cfg::Elem)));
     const int64_t mat_bytes = align256(int64_t(Cfg::Hv) * slots * kChunk * kChunk * int64_t(sizeof(typename Cfg::Elem)));
@@ -43,8 +47,72 @@ struct Workspace {
     p = aw + mat_bytes;
     ready = p + mat_bytes;
     total = ready + align256(int64_t(Cfg::Hqk) * slots * int64_t(sizeof(uint32_t)));
+    if (max_segments <= 0) return;
+    const int64_t S = segments = max_segments;
+    const int64_t states = align256(S * Cfg::Hv * int64_t(Cfg::HeadK) * Cfg::HeadV * int64_t(sizeof(float)));
+    seg_seq = total;
+    seg_index = seg_seq + align256(S * 4);
+    seq_first = seg_index + align256(S * 4);
+    seq_count = seq_first + align256(N * 8);
+    jobs_state = seq_count + align256(N * 4);
+    jobs_fwd = jobs_state + align256(3 * S * Cfg::Hv * int64_t(sizeof(CpJob)));
+    exact = jobs_fwd + align256(S * Cfg::Hv * int64_t(sizeof(CpJob)));
+    boundary = exact + align256(S * Cfg::Hv * 4);
+    h_end = boundary + states;
+    m_end = h_end + states;
+    total = m_end + states;
   }
 };
+
+// After the prep: plan the segments and jobs, the state pass, the exact chain, the forward pass.
+template <class Cfg>
+cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* base, FwdParams<Cfg> fp,
+                              cudaStream_t stream) {
+  static_assert(Cfg::HeadK == Cfg::HeadV, "a transition job (S = I) needs K = V");
+  const int64_t S = ws.segments;
+  CpPlanArgs pa{a.cu_seqlens,
+                a.segment_chunks,
+                a.warmup,
+                a.g,
+                a.beta,
+                a.k,
+                a.initial_state,
+                a.final_state,
+                reinterpret_cast<int32_t*>(base + ws.seg_seq),
+                reinterpret_cast<int32_t*>(base + ws.seg_index),
+                reinterpret_cast<int64_t*>(base + ws.seq_first),
+                reinterpret_cast<int32_t*>(base + ws.seq_count),
+                reinterpret_cast<CpJob*>(base + ws.jobs_state),
+                reinterpret_cast<CpJob*>(base + ws.jobs_fwd),
+                reinterpret_cast<int32_t*>(base + ws.exact),
+                reinterpret_cast<float*>(base + ws.boundary),
+                reinterpret_cast<float*>(base + ws.h_end),
+                reinterpret_cast<float*>(base + ws.m_end),
+                a.total_tokens,
+                a.num_seqs,
+                S,
+                a.log_eps,
+                a.use_qk_l2norm};
+  cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(pa);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>
+      <<<dim3(unsigned(S), Cfg::Hv), kGuardThreads, 0, stream>>>(pa);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  fp.initial_state = nullptr;
+  fp.final_state = nullptr;
+  fp.ready = nullptr;
+  fp.jobs = pa.jobs_state;
+  const dim3 tiles_heads(Cfg::HeadV / Cfg::BlockV, Cfg::Hv);
+  gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(3 * S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst>
+      <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / kChainColumns), kChainThreads, 0, stream>>>(pa);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  fp.jobs = pa.jobs_fwd;
+  gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
+  return cudaGetLastError();
+}
 
 template <class Cfg>
 cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
@@ -52,8 +120,11 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   const int64_t T = a.total_tokens, N = a.num_seqs;
   if (N <= 0 || T < 0) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;  // nothing to compute; final states are handled by the caller
+  const bool cp = a.warmup != nullptr;
+  if (cp && (a.segment_chunks == nullptr || a.max_segments < N || a.max_segments > kMaxSegments))
+    return cudaErrorInvalidValue;
   const int64_t slots = num_chunk_slots(T, N);
-  const Workspace<Cfg> ws(T, N);
+  const Workspace<Cfg> ws(T, N, cp ? a.max_segments : 0);
   char* base = static_cast<char*>(a.workspace);
 
   using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK, Cfg::PrepThreads>;
@@ -94,6 +165,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   if (a.prep_schedule == FQT_PREP_SERIAL) overlap = false;
   // Forced overlap needs one free SM; with few it is correct but slow (a test and benchmark switch).
   if (a.prep_schedule == FQT_PREP_OVERLAP) overlap = main_sms < sm_count;
+  if (cp) overlap = false;  // the state passes read the whole prep output
 
   PrepArgs<PrepCfg> pa{
       PrepCfg::tma_qk(static_cast<const Elem*>(a.q), T),
@@ -146,12 +218,14 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       a.cu_seqlens,
       a.initial_state,
       a.final_state,
+      nullptr,
       static_cast<Elem*>(a.o),
       T,
       N,
       slots,
       a.scale,
   };
+  if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, stream);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
@@ -166,8 +240,8 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
 }
 
 template <class Cfg>
-int64_t gdn_fwd_workspace_bytes(int64_t T, int64_t N) {
-  return Workspace<Cfg>(T, N).total;
+int64_t gdn_fwd_workspace_bytes(int64_t T, int64_t N, int64_t max_segments) {
+  return Workspace<Cfg>(T, N, max_segments).total;
 }
 
 }  // namespace fqt

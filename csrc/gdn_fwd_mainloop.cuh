@@ -156,6 +156,7 @@ struct FwdParams {
   const int64_t* cu_seqlens;
   const float* initial_state;  // may be null
   float* final_state;          // may be null
+  const CpJob* jobs;           // [grid.z, Hv] context-parallel jobs; null: CTA z runs sequence z
   typename Cfg::Elem* o;       // [T, Hv, V]
   int64_t total_tokens;
   int64_t num_seqs;
@@ -269,7 +270,7 @@ __device__ __forceinline__ void store_output_chunk(const Acc& accO, const Crd& c
 // state at the chunk's start) and Vn^T, O^T = scale (S^T Q^T) D + Vn^T P^T from shared memory.
 template <class Cfg>
 __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
-                                             const SeqRange& range, int vt, int hv, int ctid) {
+                                             const SeqRange& range, int vt, int hv, int ctid, bool write_o) {
   using Elem = typename Cfg::Elem;
   using C64 = typename Cfg::C64;
   using CM = typename Cfg::CM;
@@ -316,9 +317,21 @@ __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename C
     Barrier::arrive(&ss.empty[s]);
 
     const int valid = range.rows_in_chunk(c);
-    store_output_chunk<Cfg>(accO, crd, ss.out.data() + parity * kChunk * kOutPitch,
-                            o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1);
+    if (write_o)
+      store_output_chunk<Cfg>(accO, crd, ss.out.data() + parity * kChunk * kOutPitch,
+                              o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1);
   }
+}
+
+// This CTA's start state (end == false) or end state (end == true) for v-head hv: its job's, or
+// sequence blockIdx.z's in `states` ([N, Hv, K, V]); null for none.
+template <class Cfg>
+__device__ __forceinline__ const float* state_pointer(const FwdParams<Cfg>& p, const float* states, int hv, bool end) {
+  if (p.jobs != nullptr) {
+    const CpJob& job = p.jobs[int64_t(blockIdx.z) * Cfg::Hv + hv];
+    return end ? job.out : job.h0;
+  }
+  return states ? states + (int64_t(blockIdx.z) * Cfg::Hv + hv) * (int64_t(Cfg::HeadK) * Cfg::HeadV) : nullptr;
 }
 
 template <class Cfg>
@@ -336,9 +349,20 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
 
   const int vt = blockIdx.x, hv = blockIdx.y;
-  const int64_t seq = blockIdx.z;
   const int hqk = hv / G;
-  const SeqRange range = sequence_range(p.cu_seqlens, seq, p.total_tokens);
+  SeqRange range;
+  int32_t job_flags = 0;
+  if (p.jobs != nullptr) {
+    const CpJob& job = p.jobs[int64_t(blockIdx.z) * Cfg::Hv + hv];
+    range.start = job.start;
+    range.len = job.len;
+    range.slot0 = job.slot0;
+    job_flags = job.flags;
+    if (range.len == 0 && job.out == nullptr) return;  // an unused slot (uniform: the whole CTA)
+  } else {
+    range = sequence_range(p.cu_seqlens, blockIdx.z, p.total_tokens);
+  }
+  const bool write_o = !(job_flags & kJobNoOutput);
   const int num_chunks = int(range.num_chunks());
   const int warp_group = threadIdx.x / 128;
 
@@ -362,7 +386,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   }
   if constexpr (Cfg::OutputGroup) {
     if (warp_group == 1 + Cfg::Consumers) {  // keeps the launch-time registers
-      output_group<Cfg>(p, ss, range, vt, hv, threadIdx.x - 128 * warp_group);
+      output_group<Cfg>(p, ss, range, vt, hv, threadIdx.x - 128 * warp_group, write_o);
       return;
     }
   }
@@ -388,16 +412,17 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   Tensor fragVs = make_tensor<Elem>(shape(thr_state.partition_A(make_identity_tensor(Shape<CM, C64>{}))));
   const int col0 = get<1>(crdTok(0));  // this thread's token columns: col0 + {0, 1} + 8 i
 
-  // Initial state (fp32) into the accumulator; zeros without one.
+  // Initial state (fp32) into the accumulator; zeros without one, the identity for a transition job.
   const int v0 = vt * Cfg::BlockV + consumer * kRowsPerConsumer;
-  const int64_t state_base = (seq * Cfg::Hv + hv) * int64_t(Cfg::HeadK * Cfg::HeadV);
   auto state_offset = [&](int kk, int vv) -> int64_t {
     return Cfg::StateVFirst ? int64_t(v0 + vv) * Cfg::HeadK + kk : int64_t(kk) * Cfg::HeadV + v0 + vv;
   };
+  const bool identity_state = job_flags & kJobIdentityState;
+  const float* h0 = state_pointer<Cfg>(p, p.initial_state, hv, false);
   CUTE_UNROLL
   for (int e = 0; e < size(accS); ++e) {
     const int vv = get<0>(crdS(e)), kk = get<1>(crdS(e));
-    accS(e) = p.initial_state ? p.initial_state[state_base + state_offset(kk, vv)] : 0.f;
+    accS(e) = identity_state ? (kk == v0 + vv ? 1.f : 0.f) : (h0 ? h0[state_offset(kk, vv)] : 0.f);
   }
   to_operand(fragS, accS);
 
@@ -474,8 +499,13 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     // Off the tensor cores while they run: V^T and this thread's 16 token columns' decays e^{g}.
     uint32_t v_frag[16];
     const uint32_t v_base = uint32_t(cute::cast_smem_ptr_to_uint(st.v.data()));
-    CUTE_UNROLL
-    for (int q = 0; q < 4; ++q) ldsm_x4_trans(v_base + v_tile_offset[q], v_frag + 4 * q);
+    if (job_flags & kJobZeroV) {  // a transition job: the loaded V is ignored
+      CUTE_UNROLL
+      for (int i = 0; i < 16; ++i) v_frag[i] = 0u;
+    } else {
+      CUTE_UNROLL
+      for (int q = 0; q < 4; ++q) ldsm_x4_trans(v_base + v_tile_offset[q], v_frag + 4 * q);
+    }
     float decay[16];
     CUTE_UNROLL
     for (int i = 0; i < 8; ++i) {
@@ -556,8 +586,9 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       warpgroup_wait<0>();
       warpgroup_fence_operand(accO);
       EmptyBarrier::arrive(&ss.empty[s]);
-      store_output_chunk<Cfg>(accO, crdTok, out_stage + (c % 2) * kChunk * kOutPitch,
-                              o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1 + consumer);
+      if (write_o)
+        store_output_chunk<Cfg>(accO, crdTok, out_stage + (c % 2) * kChunk * kOutPitch,
+                                o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1 + consumer);
     } else {
       warpgroup_wait<0>();
       warpgroup_fence_operand(accS);
@@ -566,11 +597,13 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     }
   }
 
-  if (p.final_state) {
+  // Looked up again here rather than kept in registers across the loop.
+  float* state_out = const_cast<float*>(state_pointer<Cfg>(p, p.final_state, hv, true));
+  if (state_out) {
     CUTE_UNROLL
     for (int e = 0; e < size(accS); ++e) {
       const int vv = get<0>(crdS(e)), kk = get<1>(crdS(e));
-      p.final_state[state_base + state_offset(kk, vv)] = accS(e);
+      state_out[state_offset(kk, vv)] = accS(e);
     }
   }
 }

@@ -45,6 +45,25 @@ __host__ __device__ inline int64_t num_chunk_slots(int64_t total_tokens, int64_t
   return total_tokens / kChunk + num_seqs + 1;
 }
 
+// Context parallelism (gdn_cp.cuh) gives each sequential CTA a job instead of a whole sequence: a
+// chunk-aligned token range of one sequence (its chunk slots are the sequence's, so the prep's
+// output is reused as is), where its state starts and where its end state goes.
+enum : int32_t {
+  kJobIdentityState = 1,  // start from S = I (K = V): the end state is the range's transition M
+  kJobZeroV = 2,          // read v as zeros (with kJobIdentityState: S' = M S exactly)
+  kJobNoOutput = 4,       // state-only: o is not written (warm-up windows, H and M passes)
+};
+
+struct CpJob {
+  int64_t start;     // first token
+  int64_t len;       // tokens; 0 with out == nullptr marks an unused grid slot
+  int64_t slot0;     // chunk slot of the first chunk
+  const float* h0;   // start state [K, V] (plan layout) of this v-head, or null for zeros
+  float* out;        // end state, or null
+  int32_t flags;
+  int32_t unused;
+};
+
 // The sequence whose chunks cover `slot` (largest i with slot0(i) <= slot), by binary search.
 __device__ __forceinline__ int64_t sequence_of_slot(const int64_t* cu, int64_t slot, int64_t num_seqs,
                                                     int64_t total) {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class FqtGdnFwdArgs(ctypes.Structure):
@@ -28,6 +28,10 @@ class FqtGdnFwdArgs(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("use_qk_l2norm", ctypes.c_int32),
         ("prep_schedule", ctypes.c_int32),
+        ("warmup", ctypes.c_void_p),
+        ("segment_chunks", ctypes.c_void_p),
+        ("max_segments", ctypes.c_int64),
+        ("log_eps", ctypes.c_float),
     ]
 
 
@@ -37,7 +41,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fqt_abi_version.restype = ctypes.c_int32
     lib.fqt_plan_json.argtypes = []
     lib.fqt_plan_json.restype = ctypes.c_char_p
-    lib.fqt_gdn_fwd_workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.fqt_gdn_fwd_workspace_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.fqt_gdn_fwd_workspace_bytes.restype = ctypes.c_int64
     lib.fqt_gdn_fwd.argtypes = [ctypes.POINTER(FqtGdnFwdArgs), ctypes.c_void_p]
     lib.fqt_gdn_fwd.restype = ctypes.c_int32

@@ -52,11 +52,12 @@ class KernelLibrary:
             raise StaleKernelError(f"kernel library {self.path} was built for plan {embedded!r}, not for "
                                    f"{plan.name} ({plan.to_dict()!r}); it is stale")
 
-    def workspace_bytes(self, total_tokens: int, num_seqs: int) -> int:
-        if total_tokens < 0 or num_seqs < 0:
+    def workspace_bytes(self, total_tokens: int, num_seqs: int, max_segments: int = 0) -> int:
+        """Scratch bytes of a call; max_segments > 0 adds context parallelism's."""
+        if total_tokens < 0 or num_seqs < 0 or max_segments < 0:
             raise ValueError(f"workspace_bytes needs non-negative sizes, got total_tokens={total_tokens}, "
-                             f"num_seqs={num_seqs}")
-        return int(self._lib.fqt_gdn_fwd_workspace_bytes(total_tokens, num_seqs))
+                             f"num_seqs={num_seqs}, max_segments={max_segments}")
+        return int(self._lib.fqt_gdn_fwd_workspace_bytes(total_tokens, num_seqs, max_segments))
 
     def launch(self, args: abi.FqtGdnFwdArgs, stream: int) -> None:
         """Enqueue the forward on `stream` (a cudaStream_t as an int); never synchronises."""

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import runtime
+from . import runtime, warmup as warmup_tables
 from .spec import GDNSpec
 
 SUPPORTED_QKV_DTYPES = (torch.bfloat16, torch.float16)
@@ -137,19 +137,29 @@ def _spec(hqk, hv, k, v, bf16, vk) -> GDNSpec:
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
-                           cu_seqlens_cpu=None):
+                           cu_seqlens_cpu=None, warmup=None, warmup_eps=warmup_tables.DEFAULT_EPS):
     """Returns (o [B,T,Hv,V] in q's dtype, final_state fp32 [N,Hv,K,V] / [N,Hv,V,K] or None).
 
+    warmup: per v-head warm-up windows in chunks (a CPU int tensor or a list; -1 chains that head
+    exactly), usually a calibration's table. With it, long sequences are cut into segments that
+    run in parallel (context parallelism); a segment of a warm-up head starts from the state of its
+    window run from zero, which is used only where the input's gates decay below warmup_eps over
+    the window (and 0 <= beta ||k||^2 <= 2); everywhere else the state is chained exactly. Without
+    it (the default), every sequence is one exact chain.
+
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten."""
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
+    Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
+    table = None if warmup is None else list(warmup_tables.normalise(warmup, Hv))
     return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       state_v_first, cu_seqlens, plan_name="")
+                       state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps)
 
 
 def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                state_v_first, cu_seqlens, plan_name: str):
+                state_v_first, cu_seqlens, plan_name: str, warmup: list[int] | None = None,
+                warmup_eps: float = warmup_tables.DEFAULT_EPS):
     """The op after check_inputs: pack the batch as varlen and call the custom op. plan_name ""
-    runs the default plan for the call's heads; otherwise a plan registered by a kernel pack."""
+    runs the default plan for the call's heads; otherwise a plan registered by a kernel pack.
+    warmup is a checked table (warmup.normalise) or None."""
     B, T, Hqk = q.shape[:3]
     Hv = v.shape[2]
     check_grad(q, k, v, g, beta, initial_state)
@@ -165,7 +175,7 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
         q, k, v = q.reshape(1, B * T, Hqk, -1), k.reshape(1, B * T, Hqk, -1), v.reshape(1, B * T, Hv, -1)
         g, beta = g.reshape(1, B * T, Hv), beta.reshape(1, B * T, Hv)
     args = (q, k, v, g, beta, cu, initial_state, float(scale), bool(output_final_state),
-            bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name)
+            bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name, warmup, float(warmup_eps))
     o, final = (torch.ops.flashqla_tune.gdn_fwd if needs_custom_op(q) else gdn_fwd_impl)(*args)
     return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
 
@@ -181,12 +191,12 @@ def needs_custom_op(q: torch.Tensor) -> bool:
 def gdn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
                  output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
-                 plan_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 plan_name: str, warmup: list[int] | None, warmup_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     # The plan is picked here, not in the Python wrapper, so torch.compile only sees tensors,
-    # scalars and a string.
+    # scalars, a string and a list of ints.
     plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
     return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
-                           use_qk_l2norm)
+                           use_qk_l2norm, warmup=None if warmup is None else tuple(warmup), warmup_eps=warmup_eps)
 
 
 _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())(gdn_fwd_impl)
@@ -194,7 +204,7 @@ _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())
 
 @_gdn_fwd_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first,
-      plan_name):
+      plan_name, warmup, warmup_eps):
     N = cu_seqlens.shape[0] - 1
     Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
     o = q.new_empty(v.shape)

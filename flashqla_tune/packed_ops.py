@@ -7,10 +7,10 @@ the call's head configuration and layer i's calibration row (i counts the model'
 from 0; layer=None takes the model-wide table: per head the largest n_h over the layers, -1
 when any layer chains that head exactly).
 
-Warm-up context parallelism: the warm-up tables are carried, sliced per rank and checked
-against the call's heads, but the current kernels do not read them yet: every call chains
-the state exactly (no warm-up approximation is applied). They will reach the kernels with the
-context-parallel kernels, without a change to this interface.
+Warm-up context parallelism: the warm-up tables are sliced per rank, checked against the call's
+heads and passed to the kernels as the op's `warmup` (with the calibration's eps), so long
+sequences run as parallel segments; the kernels' guard chains exactly wherever the input does
+not decay as the calibration predicted.
 
 Tensor parallelism: rank r of tp_size holds q/k heads [r*Hqk/tp, (r+1)*Hqk/tp) and v-heads
 [r*Hv/tp, (r+1)*Hv/tp), and the same slice of every calibration row.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import environment, loader, ops, runtime
+from . import environment, loader, ops, runtime, warmup as warmup_tables
 from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration, read_manifest
 from .plan import KernelPlan, kernel_spec
 
@@ -65,6 +65,7 @@ class PackOps:
         sl = slice(self.v_heads.start, self.v_heads.stop)
         self._layer_tables = [torch.tensor(layer.warmup_table[sl], dtype=torch.int32) for layer in calibration.layers]
         self._model_table = torch.tensor(calibration.model_table()[sl], dtype=torch.int32)
+        self.warmup_eps = float(calibration.settings.eps)  # the guard's bound is the calibration's
 
     @property
     def num_layers(self) -> int:
@@ -72,7 +73,7 @@ class PackOps:
 
     def warmup_table(self, layer: int | None = None) -> torch.Tensor:
         """The rank's per-v-head warm-up chunk counts (-1 = exact) for a GDN layer, or the
-        model-wide table for layer=None (CPU int32; carried, not yet read by the kernels)."""
+        model-wide table for layer=None (CPU int32; the calls pass it to the kernels as `warmup`)."""
         if layer is None:
             return self._model_table
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
@@ -104,7 +105,8 @@ class PackOps:
                              f"{self.manifest.spec.num_v_heads})")
         plan = self.plan_for(q, v, state_v_first)
         return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                               state_v_first, cu_seqlens, plan_name=plan.name)
+                               state_v_first, cu_seqlens, plan_name=plan.name,
+                               warmup=list(warmup_tables.normalise(table, Hv)), warmup_eps=self.warmup_eps)
 
     def __repr__(self) -> str:
         return (f"PackOps({self.pack}, rank {self.tp_rank}/{self.tp_size}, {self.manifest.target}, "

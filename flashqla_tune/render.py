@@ -15,10 +15,10 @@ from pathlib import Path
 
 import jinja2
 
+from .abi import ABI_VERSION  # one number for the template, the loader and the cache key
 from .plan import KernelPlan
 
 TEMPLATE_NAME = "gdn_fwd.cu.j2"
-ABI_VERSION = 2
 
 _ELEMENT_TYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t"}
 

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from . import abi
+from . import abi, warmup as warmup_tables
 from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
 
@@ -59,13 +59,16 @@ PREP_SCHEDULES = {"auto": 0, "serial": 1, "overlap": 2}  # csrc/gdn_abi.h FQT_PR
 
 def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
             use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None,
-            prep_schedule: str = "auto"):
+            prep_schedule: str = "auto", warmup: tuple[int, ...] | None = None,
+            warmup_eps: float = warmup_tables.DEFAULT_EPS):
     """Packed inputs ([1, T, H, D], cu_seqlens int64 [N+1] on the device) -> (o, final_state).
 
     final_state is an empty tensor when not asked for (custom ops cannot return None). Tests
     pass NaN-filled `out` / `final_out` buffers to prove every element is written. prep_schedule
     forces how the prep and sequential kernels share the GPU ("serial" or "overlap"; results are
-    bitwise equal), for tests and benchmarks; "auto" picks by the sequential grid's size."""
+    bitwise equal), for tests and benchmarks; "auto" picks by the sequential grid's size.
+    warmup (checked by warmup.normalise) turns on context parallelism where its segment table
+    splits; the prep schedule is then serial."""
     T, Hv = v.shape[1], v.shape[2]
     N = cu_seqlens.shape[0] - 1
     K, V = q.shape[3], v.shape[3]
@@ -87,13 +90,24 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     if schedule is None:
         raise ValueError(f"prep_schedule={prep_schedule!r} must be one of {sorted(PREP_SCHEDULES)}")
     lib = library(plan)
-    workspace = torch.empty(lib.workspace_bytes(T, N), dtype=torch.uint8, device=v.device)
+    cp = None if warmup is None else warmup_tables.tables_for(warmup, plan, v.device, warmup_eps)
+    if cp is not None and not cp.splits:
+        cp = None  # no sequence length is worth splitting: one exact chain per sequence
+    segments = 0 if cp is None else warmup_tables.max_segments(cp.lengths, T, N)
+    if segments > warmup_tables.MAX_SEGMENTS:
+        raise warmup_tables.WarmupError(
+            f"a call of {N} sequences over {T} tokens may need {segments} segments under this warm-up table; "
+            f"the kernels take at most {warmup_tables.MAX_SEGMENTS}: split the call or pass warmup=None")
+    workspace = torch.empty(lib.workspace_bytes(T, N, segments), dtype=torch.uint8, device=v.device)
     args = abi.FqtGdnFwdArgs(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(), beta=beta.data_ptr(),
         cu_seqlens=cu_seqlens.data_ptr(), initial_state=None if h0 is None else h0.data_ptr(),
         final_state=final.data_ptr() if output_final_state else None, o=o.data_ptr(),
         workspace=workspace.data_ptr(), total_tokens=T, num_seqs=N, scale=float(scale),
-        use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=schedule)
+        use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=schedule,
+        warmup=None if cp is None else cp.warmup.data_ptr(),
+        segment_chunks=None if cp is None else cp.segment_chunks.data_ptr(), max_segments=segments,
+        log_eps=0.0 if cp is None else cp.log_eps)
     lib.launch(args, current_stream_handle(v.device))
     return o, final
 

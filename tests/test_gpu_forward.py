@@ -36,14 +36,14 @@ def fla_forward():
     return chunk_gated_delta_rule
 
 
-def make_case(seed, seqlens, hqk, hv, dtype, decay, h0, layout_vk, normalised=True, batch=None):
+def make_case(seed, seqlens, hqk, hv, dtype, decay, h0, layout_vk, normalised=True, batch=None, k_scale=1.0):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(seqlens) if batch is None else seqlens[0]
     B = 1 if batch is None else batch
     q = torch.randn(B, T, hqk, 128, generator=gen, device=DEV)
     k = torch.randn(B, T, hqk, 128, generator=gen, device=DEV)
     if normalised:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = F.normalize(q, dim=-1), k_scale * F.normalize(k, dim=-1)
     v = torch.randn(B, T, hv, 128, generator=gen, device=DEV)
     g = gate_values(decay, (B, T, hv), gen, torch.float32)
     beta = torch.rand(B, T, hv, generator=gen, device=DEV)
@@ -68,8 +68,9 @@ TILE_VARIANTS = [TileParams(output_group=1, stages=2), TileParams(block_v=128, s
                  TileParams(stages=1, producer_regs=24, ctas_per_sm=2)]
 
 
-def run_ours(inp, l2norm, prep_schedule="auto", plan=None):
-    """Through the public op's plan (or `plan`), into NaN-poisoned buffers."""
+def run_ours(inp, l2norm, prep_schedule="auto", plan=None, warmup=None):
+    """Through the public op's plan (or `plan`), into NaN-poisoned buffers; warmup (a per-v-head
+    table) turns on context parallelism."""
     q, v = inp["q"], inp["v"]
     B, T = q.shape[:2]
     plan = plan or runtime.default_plan_for(ops.call_spec(q, v, inp["state_v_first"]))
@@ -85,7 +86,8 @@ def run_ours(inp, l2norm, prep_schedule="auto", plan=None):
     o, final = runtime.forward(plan, q.reshape(1, B * T, *q.shape[2:]), inp["k"].reshape(1, B * T, *q.shape[2:]),
                                v.reshape(1, B * T, *v.shape[2:]), inp["g"].reshape(1, B * T, -1),
                                inp["beta"].reshape(1, B * T, -1), cu, h0, 128 ** -0.5, True, l2norm,
-                               out=o_buf, final_out=f_buf, prep_schedule=prep_schedule)
+                               out=o_buf, final_out=f_buf, prep_schedule=prep_schedule,
+                               warmup=None if warmup is None else tuple(warmup))
     if inp["state_v_first"]:
         final = final.transpose(-1, -2)
     return o.reshape(v.shape), final
@@ -147,6 +149,8 @@ def built_plans():
 
     specs = {ops._spec(hqk, hv, 128, 128, dtype == torch.bfloat16, vk)
              for _, hqk, hv, dtype, _, _, vk, _, _, _ in CASES.values()}
+    specs |= {ops._spec(hqk, hv, 128, 128, dtype == torch.bfloat16, vk)
+              for _, hqk, hv, dtype, _, _, vk, _, _, _, _ in CP_CASES.values()}
     plans = [runtime.default_plan_for(spec) for spec in sorted(specs, key=str)]
     get_kernels(plans + [variant_plan(hqk, hv, TileParams(prep_threads=threads))
                          for hqk, hv in PREP_VARIANT_HEADS for threads in (128, 256)]
@@ -343,6 +347,105 @@ def test_overlapped_schedule_replays_in_a_cuda_graph():
             o_g, s_g = call()
         fresh = make_case(14, [6000, 2500], 2, 8, torch.bfloat16, "mixed", True, False)
         for name in ("q", "k", "v", "g", "beta", "initial_state"):
+            inp[name].copy_(fresh[name])
+        graph.replay()
+        o_e, s_e = call()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+
+
+# ---- Warm-up context parallelism (issue 5, docs/cp-design.md) ----
+# "mixed" gates leave every fourth v-head at g = 0: head 0 claims a 5-chunk window anyway, so the
+# guard has to chain it exactly; head 4 is marked exact.
+MIXED_2_8 = [5, 5, 5, 5, -1, 5, 5, 5]
+CP_CASES = {
+    # name: (seqlens, hqk, hv, dtype, decay, h0, layout_vk, l2norm, k_scale, warmup, min_segments)
+    "mixed_varlen": ([8192, 17, 4100, 0, 1000, 8192 + 33], 2, 8, torch.bfloat16, "mixed", True, False, False, 1.0,
+                     MIXED_2_8, 16),
+    "windows_1_to_9": ([8192 + 100], 2, 8, torch.bfloat16, "strong", True, False, False, 1.0,
+                       [1, 2, 3, 4, 5, 6, 7, 9], 5),
+    "weak_decay_guard_fails": ([8192], 2, 8, torch.bfloat16, "weak", True, False, False, 1.0, [2] * 8, 8),
+    "all_exact_fp16": ([6000, 3000], 2, 8, torch.float16, "mixed", True, False, False, 1.0, [-1] * 8, 6),
+    "state_v_first": ([8192, 300], 2, 8, torch.bfloat16, "mixed", True, True, False, 1.0, MIXED_2_8, 16),
+    "l2norm_in_kernel": ([8192], 4, 16, torch.bfloat16, "mixed", True, False, True, 1.0,
+                         [-1 if h % 4 == 0 else 4 for h in range(16)], 8),
+    "k_too_long_no_warmup": ([8192], 2, 8, torch.bfloat16, "strong", False, False, False, 1.6, [1] * 8, 8),
+}
+
+
+def cp_segments_of(inp, warmup):
+    """How many segments the plan's table gives the longest sequence (so a case proves it splits)."""
+    from flashqla_tune import warmup as warmup_tables
+    plan = runtime.default_plan_for(ops.call_spec(inp["q"], inp["v"], inp["state_v_first"]))
+    lengths = warmup_tables.segment_lengths(tuple(warmup), plan, torch.cuda.get_device_properties(0).multi_processor_count)
+    cu = inp["cu_seqlens"].tolist()
+    chunks = max(-(-(b - a) // 64) for a, b in zip(cu, cu[1:]))
+    bucket = max(chunks - 1, 0).bit_length()
+    return -(-chunks // lengths[bucket]) if 0 < lengths[bucket] < chunks else 1
+
+
+@pytest.mark.parametrize("name", list(CP_CASES))
+def test_context_parallel_matches_the_oracle_and_the_exact_chain(name):
+    """CP (calibrated warm-up, guard, exact M/H chaining) against the float64 exact recurrence: the
+    accuracy bar, and at most 1.1 x the no-CP error + 1e-4 (DESIGN.md, "Verification")."""
+    seqlens, hqk, hv, dtype, decay, h0, vk, l2norm, k_scale, warmup, min_segments = CP_CASES[name]
+    for seed in range(3):
+        inp = make_case(2000 * seed + 11, seqlens, hqk, hv, dtype, decay, h0, vk, normalised=not l2norm,
+                        k_scale=k_scale)
+        assert cp_segments_of(inp, warmup) >= min_segments
+        with torch.no_grad():
+            o_cp, s_cp = run_ours(inp, l2norm, warmup=warmup)
+            o_ex, s_ex = run_ours(inp, l2norm)
+        torch.cuda.synchronize()
+        ref_o, ref_s = reference(inp, l2norm)
+        for t in (o_cp, s_cp):
+            assert not torch.isnan(t).any(), f"{name}: unwritten (NaN) elements with CP"
+        err_o, err_s = rel_l2(o_cp, ref_o), rel_l2(s_cp, ref_s)
+        ex_o, ex_s = rel_l2(o_ex, ref_o), rel_l2(s_ex, ref_s)
+        bar_o, bar_s = accuracy_bars(fla_errors(inp, l2norm, ref_o, ref_s))
+        line = (f"cp {name:24s} seed={seed} o={err_o:.2e} (no-CP {ex_o:.2e}, bar {bar_o:.2e}) "
+                f"state={err_s:.2e} (no-CP {ex_s:.2e}, bar {bar_s:.2e})")
+        print(line)
+        LOG.append(line)
+        assert err_o <= bar_o and err_s <= bar_s, line
+        assert err_o <= 1.1 * ex_o + 1e-4 and err_s <= 1.1 * ex_s + 1e-4, line
+
+
+def test_context_parallel_batch_invariance_is_bitwise():
+    """With CP, a sequence's output and final state do not depend on what else is in the batch."""
+    inp = make_case(21, [3000, 8192 + 70, 64, 5000], 2, 8, torch.bfloat16, "mixed", True, False)
+    with torch.no_grad():
+        o_all, s_all = ops.chunk_gated_delta_rule(
+            inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["initial_state"],
+            output_final_state=True, cu_seqlens=inp["cu_seqlens"], warmup=MIXED_2_8)
+        lo, hi = 3000, 3000 + 8192 + 70
+        o_one, s_one = ops.chunk_gated_delta_rule(
+            *(inp[n][:, lo:hi] for n in ("q", "k", "v", "g", "beta")), initial_state=inp["initial_state"][1:2],
+            output_final_state=True, cu_seqlens=torch.tensor([0, hi - lo], device=DEV), warmup=MIXED_2_8)
+    assert torch.equal(o_all[:, lo:hi], o_one) and torch.equal(s_all[1:2], s_one)
+
+
+def test_context_parallel_replays_in_a_cuda_graph():
+    """The CP launches (plan, state pass, chain, forward) captured after one eager call and replayed
+    on new inputs give the eager result bitwise."""
+    inp = make_case(23, [8192, 2000], 2, 8, torch.bfloat16, "mixed", True, False)
+    names = ("q", "k", "v", "g", "beta")
+
+    def call():
+        return ops.chunk_gated_delta_rule(*(inp[n] for n in names), initial_state=inp["initial_state"],
+                                          output_final_state=True, cu_seqlens=inp["cu_seqlens"], warmup=MIXED_2_8)
+
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, s_g = call()
+        fresh = make_case(24, [8192, 2000], 2, 8, torch.bfloat16, "mixed", True, False)
+        for name in names + ("initial_state",):
             inp[name].copy_(fresh[name])
         graph.replay()
         o_e, s_e = call()

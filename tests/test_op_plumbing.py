@@ -4,6 +4,7 @@ the FqtGdnFwdArgs instead of launching), so no GPU is needed; the GPU tests run 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import pytest
 import torch
@@ -19,8 +20,8 @@ class RecordingLibraryDouble:
     def __init__(self):
         self.calls = []
 
-    def workspace_bytes(self, total_tokens, num_seqs):
-        return 4096 + total_tokens
+    def workspace_bytes(self, total_tokens, num_seqs, max_segments=0):
+        return 4096 + total_tokens + 65536 * max_segments
 
     def launch(self, args, stream):
         copy = type(args)()
@@ -125,3 +126,31 @@ def test_prep_schedule_reaches_the_library_and_bad_names_are_refused(recorded):
         assert lib.calls[-1][0].prep_schedule == code
     with pytest.raises(ValueError, match="prep_schedule='sideways' must be one of"):
         runtime.forward(plan, q, q, v, g, g, cu, None, 1.0, False, False, prep_schedule="sideways")
+
+
+def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeypatch):
+    """ops.chunk_gated_delta_rule(..., warmup=...) checks the table and passes the kernels its device
+    copy, the segment table, the segment bound (which also sizes the workspace) and log(eps)."""
+    from flashqla_tune import warmup as warmup_tables
+
+    lib, plan = recorded
+    monkeypatch.setattr(warmup_tables, "sm_count", lambda device: 132)
+    monkeypatch.setattr(runtime, "default_plan_for", lambda spec: plan)
+    T = 8192
+    q = torch.randn(1, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, T, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, T, 8)
+    table = [3, 3, 3, 3, -1, 3, 3, 3]
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]), warmup=table,
+                               warmup_eps=1e-4)
+    args = lib.calls[-1][0]
+    tables = warmup_tables.tables_for(tuple(table), plan, q.device, 1e-4)
+    assert args.warmup == tables.warmup.data_ptr() and args.segment_chunks == tables.segment_chunks.data_ptr()
+    assert args.max_segments == warmup_tables.max_segments(tables.lengths, T, 1) > 1
+    assert args.log_eps == pytest.approx(math.log(1e-4))
+    # without a table: no context parallelism
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]))
+    args = lib.calls[-1][0]
+    assert args.warmup is None and args.segment_chunks is None and args.max_segments == 0
+    with pytest.raises(warmup_tables.WarmupError, match="warmup has 2 entries; the call has Hv=8"):
+        ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]), warmup=[1, 1])

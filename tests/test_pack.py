@@ -180,3 +180,19 @@ def test_reuse_only_for_the_same_checkpoint_and_options(tmp_path):
     (other / "precious.txt").write_text("keep")
     with pytest.raises(PackError, match="not a pack"):
         _reuse_reason(other, SHA, (1,), options, None)
+
+
+def test_calls_pass_the_layer_table_and_the_calibration_eps(tmp_path, monkeypatch):
+    """A pack call hands the kernels its layer's warm-up table (the rank's slice) and the
+    calibration's eps, so the guard checks the bound the calibration used."""
+    o = _load(make_pack(tmp_path / "p"))
+    seen = {}
+    monkeypatch.setattr(ops, "check_inputs", ops.check_shapes_and_types)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(ops, "run_checked", lambda *args, **kw: seen.update(kw))
+    q, v = _qv(2, 8)
+    g = torch.zeros(1, 5, 8)
+    o.chunk_gated_delta_rule(q, q, v, g, g, layer=1)
+    assert seen["warmup"] == o.warmup_table(1).tolist() and -1 in seen["warmup"]
+    assert seen["warmup_eps"] == o.calibration.settings.eps
+    o.chunk_gated_delta_rule(q, q, v, g, g)
+    assert seen["warmup"] == o.warmup_table().tolist()

@@ -1,0 +1,225 @@
+// Warm-up context parallelism (docs/cp-design.md): long sequences are cut into segments of L
+// chunks so that more sequential CTAs run at once. All of it is planned on the device from
+// cu_seqlens, the per-length segment table and the per-v-head warm-up table, so a call needs no
+// host synchronisation and stays capturable in a CUDA graph.
+//
+// Per call, after the prep kernel (gdn_fwd_host.cuh launches them in this order):
+//   cp_segments_kernel  one CTA: segment counts per sequence (L from the sequence's own length),
+//                       their prefix sum, and segment -> (sequence, index).
+//   cp_jobs_kernel      per (segment, v-head): the forward job of the segment and, at each
+//                       boundary, either a warm-up window (n_h chunks from a zero state, kept only
+//                       if the guard holds on this input) or, for exact boundaries, the previous
+//                       segment's H (end state from zero) and M (transition) jobs.
+//   phase 1             the sequential kernel over the window, H and M jobs (state only).
+//   cp_chain_kernel     exact boundaries in order: S_j = M_{j-1} S_{j-1} + H_{j-1}, fp32.
+//   phase 3             the sequential kernel over the forward jobs, each from its boundary state.
+// A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
+// the guard), so a sequence's output is the same bit for bit whatever it is batched with.
+#pragma once
+#include <cub/block/block_scan.cuh>
+#include <stdint.h>
+
+#include "gdn_sequences.cuh"
+
+namespace fqt {
+
+constexpr int kSegmentBuckets = 32;  // entry b: sequences of at most 2^b chunks (the last: longer ones)
+constexpr int kPlanThreads = 1024;
+constexpr int kGuardThreads = 256;
+constexpr int kChainColumns = 16;    // state columns per chain CTA
+constexpr int kChainThreads = 128;   // one per state row (K = 128)
+constexpr int64_t kMaxSegments = 65535 / 3;  // the state pass has 3 grid z-slices per segment
+
+// Segment length in chunks for a sequence of `chunks` chunks; a result of 0 or >= chunks means one
+// segment.
+__device__ __forceinline__ int64_t segment_chunks_for(const int32_t* table, int64_t chunks) {
+  int b = chunks <= 1 ? 0 : 64 - __clzll(chunks - 1);  // ceil(log2(chunks))
+  b = b < kSegmentBuckets ? b : kSegmentBuckets - 1;
+  return table[b];
+}
+
+__device__ __forceinline__ int64_t segments_of(int64_t chunks, int64_t seg_chunks) {
+  return seg_chunks > 0 && chunks > seg_chunks ? (chunks + seg_chunks - 1) / seg_chunks : 1;
+}
+
+struct CpPlanArgs {
+  const int64_t* cu_seqlens;
+  const int32_t* segment_chunks;  // [kSegmentBuckets]
+  const int32_t* warmup;          // [Hv]: n_h >= 1, or -1 (exact)
+  const float* g;                 // [T, Hv]
+  const float* beta;              // [T, Hv]
+  const void* k;                  // [T, Hqk, K] (the caller's, before any in-kernel norm)
+  const float* initial_state;     // [N, Hv, state] or null
+  float* final_state;             // [N, Hv, state] or null
+  int32_t* seg_seq;               // [S] sequence of segment z, -1 past the last
+  int32_t* seg_index;             // [S] index of segment z in its sequence
+  int64_t* seq_first;             // [N] first segment of each sequence
+  int32_t* seq_count;             // [N] segments of each sequence
+  CpJob* jobs_state;              // [3 S, Hv]: windows, then H, then M
+  CpJob* jobs_fwd;                // [S, Hv]
+  int32_t* exact;                 // [S, Hv]: 1 if boundary z is chained exactly
+  float* boundary;                // [S, Hv, state]: the start state of segment z (z not first)
+  float* h_end;                   // [S, Hv, state]: H of the segment before boundary z
+  float* m_end;                   // [S, Hv, K, K]: M of the segment before boundary z
+  int64_t total_tokens;
+  int64_t num_seqs;
+  int64_t num_segments;           // S
+  float log_eps;
+  int32_t use_qk_l2norm;
+};
+
+__global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanArgs a) {
+  using Scan = cub::BlockScan<int32_t, kPlanThreads>;  // counts fit: S <= kMaxSegments
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int64_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < a.num_seqs; base += kPlanThreads) {
+    const int64_t i = base + threadIdx.x;
+    int32_t n = 0;
+    if (i < a.num_seqs) {
+      const int64_t chunks = sequence_range(a.cu_seqlens, i, a.total_tokens).num_chunks();
+      const int64_t want = segments_of(chunks, segment_chunks_for(a.segment_chunks, chunks));
+      n = int32_t(want < a.num_segments ? want : a.num_segments);
+    }
+    int32_t before;
+    Scan(scan).ExclusiveSum(n, before);
+    const int64_t first = carry + before;
+    if (i < a.num_seqs) {
+      a.seq_first[i] = first;
+      a.seq_count[i] = n;
+      // Overlapping (malformed) cu_seqlens can ask for more than S segments: the rest is dropped,
+      // so such rows are unspecified, never out of bounds.
+      for (int64_t j = 0; j < n && first + j < a.num_segments; ++j) {
+        a.seg_seq[first + j] = int32_t(i);
+        a.seg_index[first + j] = int32_t(j);
+      }
+    }
+    __syncthreads();  // everyone has read carry
+    if (threadIdx.x == kPlanThreads - 1) carry = first + n;
+    __syncthreads();
+  }
+  for (int64_t z = carry + threadIdx.x; z < a.num_segments; z += kPlanThreads) a.seg_seq[z] = -1;
+}
+
+// The guard over tokens [t0, t1) of v-head hv: the summed log-decay reaches log(eps) and every
+// token keeps 0 <= b ||k||^2 <= 2 (so each (I - b k k^T) is a contraction). NaN fails both.
+template <class Elem, int Hqk, int Hv, int K>
+__device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int hv) {
+  constexpr int kWarps = kGuardThreads / 32;
+  __shared__ float warp_sums[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int hqk = hv / (Hv / Hqk);
+  const Elem* k = static_cast<const Elem*>(a.k);
+  float decay = 0.f;
+  bool ok = true;
+  for (int64_t t = t0 + warp; t < t1; t += kWarps) {  // a warp per token, in a fixed order
+    float sq = 0.f;
+    for (int d = lane; d < K; d += 32) {
+      const float x = float(k[(t * Hqk + hqk) * K + d]);
+      sq += x * x;
+    }
+    for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+    const float norm2 = a.use_qk_l2norm ? sq / (sq + 1e-6f) : sq;  // the kernel's in-kernel norm
+    const float bk = a.beta[t * Hv + hv] * norm2;
+    ok = ok && bk >= 0.f && bk <= 2.f;
+    decay += a.g[t * Hv + hv];
+  }
+  if (lane == 0) warp_sums[warp] = decay;
+  const bool all_ok = __syncthreads_and(ok);
+  float total = 0.f;
+  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];  // fixed order: deterministic
+  return all_ok && total <= a.log_eps;
+}
+
+template <class Elem, int Hqk, int Hv, int K, int V>
+__global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs a) {
+  constexpr int64_t kState = int64_t(K) * V;
+  const int64_t z = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int64_t S = a.num_segments;
+  const int64_t row = z * Hv + hv;
+  CpJob window{}, h_job{}, m_job{}, fwd{};
+  bool exact = false;
+  const int32_t i = a.seg_seq[z];
+  if (i >= 0) {
+    const int64_t j = a.seg_index[z];
+    const SeqRange r = sequence_range(a.cu_seqlens, i, a.total_tokens);
+    const int64_t chunks = r.num_chunks();
+    const int64_t n = a.seq_count[i];
+    const int64_t L = n > 1 ? segment_chunks_for(a.segment_chunks, chunks) : chunks;
+    const int64_t c0 = j * L;
+    const int64_t len = r.len - c0 * kChunk < L * kChunk ? r.len - c0 * kChunk : L * kChunk;
+    const float* seq_h0 = a.initial_state ? a.initial_state + (int64_t(i) * Hv + hv) * kState : nullptr;
+    fwd = CpJob{r.start + c0 * kChunk, len, r.slot0 + c0, j == 0 ? seq_h0 : a.boundary + row * kState,
+                j == n - 1 && a.final_state ? a.final_state + (int64_t(i) * Hv + hv) * kState : nullptr, 0, 0};
+    if (j > 0) {
+      float* start_state = a.boundary + row * kState;
+      const int64_t nh = a.warmup[hv];
+      bool warm = false;
+      if (nh >= 0 && c0 - nh <= 0) {
+        // The window reaches the sequence start: the whole prefix from h0, exact.
+        window = CpJob{r.start, c0 * kChunk, r.slot0, seq_h0, start_state, kJobNoOutput, 0};
+        warm = true;
+      } else if (nh > 0) {
+        const int64_t w0 = c0 - nh;
+        warm = window_is_safe<Elem, Hqk, Hv, K>(a, r.start + w0 * kChunk, r.start + c0 * kChunk, hv);
+        if (warm) window = CpJob{r.start + w0 * kChunk, nh * kChunk, r.slot0 + w0, nullptr, start_state, kJobNoOutput, 0};
+      }
+      if (!warm) {  // the previous segment's H and M; the chain kernel combines them
+        const int64_t p0 = c0 - L;
+        h_job = CpJob{r.start + p0 * kChunk, L * kChunk, r.slot0 + p0, nullptr, a.h_end + row * kState, kJobNoOutput, 0};
+        m_job = CpJob{r.start + p0 * kChunk, L * kChunk, r.slot0 + p0, nullptr, a.m_end + row * int64_t(K) * K,
+                      kJobIdentityState | kJobZeroV | kJobNoOutput, 0};
+        exact = true;
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    a.jobs_state[row] = window;
+    a.jobs_state[S * Hv + row] = h_job;
+    a.jobs_state[2 * S * Hv + row] = m_job;
+    a.jobs_fwd[row] = fwd;
+    a.exact[row] = exact ? 1 : 0;
+  }
+}
+
+// One CTA per (sequence, v-head, 16 state columns): the exact boundaries of the sequence in order.
+// S_j = M_{j-1} S_{j-1} + H_{j-1}, where S_{j-1} is whatever segment j-1 starts from (the
+// sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
+// CTAs of one head need no ordering between them.
+template <int Hv, int K, int V, bool VFirst>
+__global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
+  static_assert(K == kChainThreads && K == V, "the chain kernel assumes K = V = 128");
+  constexpr int64_t kState = int64_t(K) * V;
+  __shared__ float prev[K][kChainColumns];
+  const int64_t i = blockIdx.x;
+  const int hv = blockIdx.y;
+  const int col0 = blockIdx.z * kChainColumns;
+  const int kk = threadIdx.x;
+  auto at = [](int64_t r, int64_t c) -> int64_t { return VFirst ? c * K + r : r * V + c; };  // (k, v) element
+  const int64_t first = a.seq_first[i];
+  const int32_t n = a.seq_count[i];
+  for (int32_t j = 1; j < n; ++j) {
+    const int64_t z = first + j;
+    if (z >= a.num_segments) break;
+    const int64_t row = z * Hv + hv;
+    if (!a.exact[row]) continue;
+    const float* s_prev = a.jobs_fwd[row - Hv].h0;  // segment j - 1's start state (null: zeros)
+    __syncthreads();  // the previous step's reads of prev are done, its global writes visible
+    for (int c = 0; c < kChainColumns; ++c) prev[kk][c] = s_prev ? s_prev[at(kk, col0 + c)] : 0.f;
+    __syncthreads();
+    const float* m = a.m_end + row * int64_t(K) * K;
+    const float* h = a.h_end + row * kState;
+    float acc[kChainColumns];
+    for (int c = 0; c < kChainColumns; ++c) acc[c] = h[at(kk, col0 + c)];
+    for (int mm = 0; mm < K; ++mm) {
+      const float w = m[at(kk, mm)];  // M (kk, mm): M is stored like a state with V = K
+      for (int c = 0; c < kChainColumns; ++c) acc[c] = fmaf(w, prev[mm][c], acc[c]);
+    }
+    float* out = a.boundary + row * kState;
+    for (int c = 0; c < kChainColumns; ++c) out[at(kk, col0 + c)] = acc[c];
+  }
+}
+
+}  // namespace fqt

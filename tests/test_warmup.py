@@ -1,0 +1,84 @@
+"""The op's `warmup` table on the host: checks, the segment table the kernels read, and the bound
+on a call's segments that sizes the workspace (flashqla_tune/warmup.py)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from flashqla_tune import warmup as W
+from flashqla_tune.cp_plan import Machine, WarmupProfile, segment_table
+from flashqla_tune.plan import default_plan
+from flashqla_tune.spec import GDNSpec
+
+PLAN_2_8 = default_plan(GDNSpec(2, 8))
+
+
+def test_normalise_accepts_lists_and_cpu_int_tensors():
+    assert W.normalise([3, -1, 1, 16, 2, 2, 2, 2], 8) == (3, -1, 1, 16, 2, 2, 2, 2)
+    assert W.normalise(torch.tensor([1, -1], dtype=torch.int32), 2) == (1, -1)
+
+
+@pytest.mark.parametrize("table, hv, message", [
+    ([1, 2, 3], 8, "warmup has 3 entries; the call has Hv=8"),
+    ([1, 0], 2, r"warmup\[1\]=0: each entry is -1"),
+    ([-2, 1], 2, r"warmup\[0\]=-2"),
+    ([1, 5000], 2, r"warmup\[1\]=5000"),
+    ([1.0, 2.0], 2, "warmup must hold ints"),
+    ([True, 1], 2, "warmup must hold ints"),
+    (torch.tensor([1.0, 2.0]), 2, "1-D integer tensor"),
+    (torch.ones(2, 2, dtype=torch.int32), 2, "1-D integer tensor"),
+    (torch.ones(2, dtype=torch.int32, device="meta"), 2, "pass it as a CPU tensor or a list"),
+    (7, 2, "warmup must be a list or 1-D tensor of ints, got int"),
+])
+def test_bad_tables_are_refused_naming_the_value(table, hv, message):
+    with pytest.raises(W.WarmupError, match=message):
+        W.normalise(table, hv)
+
+
+def test_segment_table_is_the_cost_model_per_power_of_two_bucket():
+    values = (3, 3, 3, 3, 3, 3, -1, -1)
+    lengths = W.segment_lengths(values, PLAN_2_8, 132)
+    model = segment_table(16, WarmupProfile.from_tables([list(values)]), Machine(sms=132))
+    assert len(lengths) == W.SEGMENT_BUCKETS
+    for b in range(W.SEGMENT_BUCKETS):
+        assert lengths[b] == model[2 ** min(b, 14)]
+    # a 32k-token sequence (512 chunks) is split, with segments longer than the longest window
+    assert 3 < lengths[9] < 512
+    # 16/64 has 128 chains: the GPU is full without CP
+    assert not any(W.segment_lengths((3,) * 64, default_plan(GDNSpec(16, 64)), 132))
+
+
+def kernel_segments(lengths, chunks):
+    """csrc/gdn_cp.cuh's rule: bucket ceil(log2 c), one segment unless 0 < L < c."""
+    bucket = min(max(chunks - 1, 0).bit_length(), len(lengths) - 1)
+    length = lengths[bucket]
+    return -(-chunks // length) if 0 < length < chunks else 1
+
+
+def test_segment_bound_holds_for_random_calls_and_is_exact_for_one_full_bucket():
+    rng = random.Random(0)
+    lengths = W.segment_lengths((3, 3, 3, 3, 3, 3, -1, -1), PLAN_2_8, 132)
+    for _ in range(2000):
+        n = rng.randint(1, 12)
+        seqlens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 40000)]) for _ in range(n)]
+        T = sum(seqlens) + rng.randint(0, 100)   # rows past the last sequence are allowed
+        used = sum(kernel_segments(lengths, -(-s // 64)) for s in seqlens)
+        assert used <= W.max_segments(tuple(lengths), T, n), (seqlens, T)
+    for T in (8192, 32768):  # one sequence filling its bucket: the bound is exact
+        assert W.max_segments(tuple(lengths), T, 1) == kernel_segments(lengths, T // 64) > 1
+    assert W.max_segments((0,) * W.SEGMENT_BUCKETS, 10**6, 3) == 3
+
+
+def test_tables_are_cached_per_values_plan_and_device(monkeypatch):
+    monkeypatch.setattr(W, "sm_count", lambda device: 132)
+    W._tables.cache_clear()
+    a = W.tables_for((3,) * 8, PLAN_2_8, torch.device("cpu"), 1e-5)
+    b = W.tables_for((3,) * 8, PLAN_2_8, torch.device("cpu"), 1e-5)
+    assert a is b and a.warmup.dtype == torch.int32 and a.warmup.tolist() == [3] * 8
+    assert a.segment_chunks.tolist() == list(a.lengths) and a.splits
+    assert a.log_eps == pytest.approx(math.log(1e-5))
+    with pytest.raises(W.WarmupError, match="warmup_eps=0"):
+        W.tables_for((3,) * 8, PLAN_2_8, torch.device("cpu"), 0.0)
