@@ -190,6 +190,9 @@ def test_cli_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--impl", "--heads", "--seqlens", "--quick", "--out", "--no-graph", "--no-eager"):
         assert flag in out
+    from flashqla_tune.bench.impls import LOADERS
+    for name in LOADERS:  # the help names every implementation
+        assert name in " ".join(out.split())
 
 
 def test_unknown_impl_is_a_clear_error():
@@ -217,3 +220,18 @@ def test_impl_failing_everywhere_gets_no_columns(tmp_path):
     md = report.render_markdown(res)
     assert "flashqla_tune (0.1) failed on every row: warm-up failed: RuntimeError: toolchain missing" in md
     assert "| flashqla_tune |" not in md and "| torch |" in md and "- note: a note" in md
+
+
+def test_calibrated_warmup_column_uses_the_protocols_calibration():
+    """The headline column's table comes from calibrating the protocol's gates: the zero-gate heads
+    chain exactly, the others warm up over a few chunks."""
+    from flashqla_tune.bench.inputs import protocol_warmup_table, zero_gate_heads
+
+    for hv in (8, 64):
+        table = protocol_warmup_table(hv)
+        zero = set(zero_gate_heads(hv).tolist())
+        assert len(table) == hv
+        assert all((n == -1) == (h in zero) for h, n in enumerate(table))
+        assert all(1 <= n <= 16 for n in table if n != -1)
+    impls, skipped = load_impls(["flashqla_tune_warmup", "flashqla_tune_exact_cp"])
+    assert [i.name for i in impls] == ["flashqla_tune_warmup", "flashqla_tune_exact_cp"] and not skipped

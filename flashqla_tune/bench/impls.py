@@ -65,17 +65,36 @@ def _ours():
 
 def _load_flashqla_tune():
     fn, version = _ours()
-    # The kernels chain the state exactly until warm-up context parallelism lands (issue 5); the
-    # calibrated-warm-up and exact-chaining columns of the protocol split apart then.
-    return Impl("flashqla_tune", fn, torch.int32, version, "our op, default plan, exact chaining")
+    return Impl("flashqla_tune", fn, torch.int32, version, "our op, default plan, one exact chain per sequence")
 
 
-# Order = column order in the report. The calibrated-warm-up column joins when calibration exists.
+def _with_warmup(name: str, table_of: Callable[[int], tuple[int, ...]], note: str) -> Impl:
+    ours, version = _ours()
+
+    def fn(q, k, v, g, beta, **kw):
+        return ours(q, k, v, g, beta, warmup=table_of(v.shape[2]), **kw)
+    return Impl(name, fn, torch.int32, version, note)
+
+
+def _load_flashqla_tune_warmup():
+    from .inputs import protocol_warmup_table
+    return _with_warmup("flashqla_tune_warmup", protocol_warmup_table,
+                        "our op, context parallel, warm-up from a calibration of the protocol's gates")
+
+
+def _load_flashqla_tune_exact_cp():
+    return _with_warmup("flashqla_tune_exact_cp", lambda hv: (-1,) * hv,
+                        "our op, context parallel, every boundary chained exactly (warmup all -1)")
+
+
+# Order = column order in the report.
 LOADERS: dict[str, Callable[[], Impl]] = {
     "fla": _load_fla,
     "flashqla": _load_flashqla,
     "torch": _load_torch,
     "flashqla_tune": _load_flashqla_tune,
+    "flashqla_tune_warmup": _load_flashqla_tune_warmup,
+    "flashqla_tune_exact_cp": _load_flashqla_tune_exact_cp,
 }
 
 

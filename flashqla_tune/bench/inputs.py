@@ -3,6 +3,7 @@ them: q, k L2-normalised bf16; v bf16; g = logsigmoid(randn)/16 fp32 with 25% of
 to 0; beta = sigmoid(randn) fp32; h0 fp32; always varlen (B = 1 with cu_seqlens)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,19 @@ def zero_gate_heads(num_v_heads: int, seed: int = HEAD_SEED) -> torch.Tensor:
     count = round(num_v_heads * ZERO_GATE_SHARE)
     gen = torch.Generator().manual_seed(seed)
     return torch.randperm(num_v_heads, generator=gen)[:count].sort().values
+
+
+@functools.lru_cache(maxsize=None)
+def protocol_warmup_table(num_v_heads: int, tokens: int = 65536, seed: int = HEAD_SEED + 1) -> tuple[int, ...]:
+    """What a calibration answers for the protocol's gate distribution: per v-head warm-up chunks,
+    -1 for the zero-gate heads. Drawn on the host with its own seed (a sample of the distribution,
+    not the timed inputs), for our op's calibrated-warm-up column."""
+    from ..calibrate.statistics import calibrate_gates  # the calibration pass's own statistics
+
+    gen = torch.Generator().manual_seed(seed)
+    g = F.logsigmoid(torch.randn(tokens, num_v_heads, generator=gen, dtype=torch.float64)) / 16
+    g[:, zero_gate_heads(num_v_heads)] = 0.0
+    return tuple(calibrate_gates(g).warmup_table)
 
 
 @dataclass
