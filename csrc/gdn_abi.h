@@ -23,12 +23,13 @@ typedef struct FqtGdnFwdArgs {
   const float* beta;
   // [N + 1] int64 token offsets on the device; values are clamped in-kernel, so any content is safe.
   const int64_t* cu_seqlens;
-  // fp32 [N, Hv, K, V] (or [N, Hv, V, K] for the state_v_first layout); either may be null.
+  // fp32 [N, Hv, K, V] (or [N, Hv, V, K] for the state_v_first layout); either may be null. They
+  // must not overlap with context parallelism (one segment reads h0 while another writes the end).
   const float* initial_state;
   float* final_state;
   // Output [T, Hv, V], same dtype as q/k/v.
   void* o;
-  // Scratch of fqt_gdn_fwd_workspace_bytes(total_tokens, num_seqs) bytes, 256-byte aligned.
+  // Scratch of fqt_gdn_fwd_workspace_bytes(total_tokens, num_seqs, max_segments) bytes, 256-byte aligned.
   void* workspace;
   int64_t total_tokens;
   int64_t num_seqs;

@@ -86,10 +86,11 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
     Scan(scan).ExclusiveSum(n, before);
     const int64_t first = carry + before;
     if (i < a.num_seqs) {
-      a.seq_first[i] = first;
-      a.seq_count[i] = n;
       // Overlapping (malformed) cu_seqlens can ask for more than S segments: the rest is dropped,
       // so such rows are unspecified, never out of bounds.
+      const int64_t room = a.num_segments - first;
+      a.seq_first[i] = first;
+      a.seq_count[i] = int32_t(room <= 0 ? 0 : (n < room ? n : room));
       for (int64_t j = 0; j < n && first + j < a.num_segments; ++j) {
         a.seg_seq[first + j] = int32_t(i);
         a.seg_index[first + j] = int32_t(j);
@@ -192,7 +193,7 @@ template <int Hv, int K, int V, bool VFirst>
 __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
   static_assert(K == kChainThreads && K == V, "the chain kernel assumes K = V = 128");
   constexpr int64_t kState = int64_t(K) * V;
-  __shared__ float prev[K][kChainColumns];
+  __shared__ float prev[K][kChainColumns + 1];  // padded: row kk's stores land in distinct banks
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
   const int col0 = blockIdx.z * kChainColumns;

@@ -91,13 +91,9 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         raise ValueError(f"prep_schedule={prep_schedule!r} must be one of {sorted(PREP_SCHEDULES)}")
     lib = library(plan)
     cp = None if warmup is None else warmup_tables.tables_for(warmup, plan, v.device, warmup_eps)
-    if cp is not None and not cp.splits:
-        cp = None  # no sequence length is worth splitting: one exact chain per sequence
-    segments = 0 if cp is None else warmup_tables.max_segments(cp.lengths, T, N)
-    if segments > warmup_tables.MAX_SEGMENTS:
-        raise warmup_tables.WarmupError(
-            f"a call of {N} sequences over {T} tokens may need {segments} segments under this warm-up table; "
-            f"the kernels take at most {warmup_tables.MAX_SEGMENTS}: split the call or pass warmup=None")
+    segments = 0 if cp is None else warmup_tables.call_segments(cp, T, N, 3 * Hv * K * V * 4)
+    if segments == 0:
+        cp = None  # one exact chain per sequence
     workspace = torch.empty(lib.workspace_bytes(T, N, segments), dtype=torch.uint8, device=v.device)
     args = abi.FqtGdnFwdArgs(
         q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), g=g.data_ptr(), beta=beta.data_ptr(),

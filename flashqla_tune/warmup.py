@@ -8,8 +8,9 @@ from the host. The first call with a new table therefore has to happen outside a
 """
 from __future__ import annotations
 
-import functools
 import math
+import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from .plan import KernelPlan
 SEGMENT_BUCKETS = 32        # csrc/gdn_cp.cuh kSegmentBuckets: entry b for sequences of <= 2^b chunks
 MAX_WINDOW_CHUNKS = 1024    # a window is a warm-up over n_h chunks; calibration caps n_h at 16
 MAX_SEGMENTS = 65535 // 3   # csrc/gdn_cp.cuh kMaxSegments: the state pass has 3 grid z-slices per segment
+CP_SCRATCH_LIMIT_BYTES = 2 << 30  # fp32 boundary, H and M states of a call; above it the call runs without CP
 
 
 class WarmupError(ValueError):
@@ -33,6 +35,7 @@ class WarmupTables:
     segment_chunks: torch.Tensor  # int32 [SEGMENT_BUCKETS] on the device
     lengths: tuple[int, ...]      # the same on the host
     log_eps: float
+    bound: SegmentBound           # a call's segment bound from (T, N)
 
     @property
     def splits(self) -> bool:
@@ -91,31 +94,91 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.lru_cache(maxsize=256)
+# Kept for the life of the process, never evicted: a captured CUDA graph holds the tables' device
+# pointers. Each entry is two small int32 tensors per (table, plan, device, eps).
+_TABLES: dict[tuple, WarmupTables] = {}
+_TABLES_LOCK = threading.Lock()
+
+
 def _tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float) -> WarmupTables:
+    key = (values, plan, device, eps)
+    tables = _TABLES.get(key)
+    if tables is None:
+        with _TABLES_LOCK:
+            tables = _TABLES.get(key)
+            if tables is None:
+                tables = _TABLES[key] = _make_tables(values, plan, device, eps)
+    return tables
+
+
+def _make_tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float) -> WarmupTables:
     lengths = segment_lengths(values, plan, sm_count(device))
     return WarmupTables(torch.tensor(values, dtype=torch.int32, device=device),
-                        torch.tensor(lengths, dtype=torch.int32, device=device), tuple(lengths), math.log(eps))
+                        torch.tensor(lengths, dtype=torch.int32, device=device), tuple(lengths), math.log(eps),
+                        SegmentBound.of(tuple(lengths)))
+
+
+@dataclass(frozen=True)
+class SegmentBound:
+    """An upper bound on the segments of a call of N sequences over T tokens under a segment
+    table, O(1) per call (the kernels plan at most this many; the workspace holds this many).
+    Sequence i has c_i chunks with sum c_i <= C = T / 64 + N, bucket b holds 2^(b-1) < c <= 2^b
+    (bucket 0: c <= 1; the last bucket is open), and c chunks give ceil(c / L_b) segments when
+    0 < L_b < c, else one. Inside a bucket the extra segments grow with c, so the most a single
+    sequence can add is at the top of a bucket (or at C); over all sequences the extra is also at
+    most C / (shortest L that splits)."""
+    lengths: tuple[int, ...]
+    top_extra: tuple[int, ...]    # [b]: max extra segments of a sequence in buckets 0..b (b < last)
+    top_shortest: tuple[int, ...]  # [b]: shortest splitting L in buckets 0..b (0: none)
+
+    @classmethod
+    def of(cls, lengths: tuple[int, ...]) -> "SegmentBound":
+        extra, shortest = [], []
+        best, short = 0, 0
+        for b, length in enumerate(lengths[:-1]):
+            if 0 < length < 2 ** b:
+                best = max(best, -(-(2 ** b) // length) - 1)
+                short = length if short == 0 else min(short, length)
+            extra.append(best)
+            shortest.append(short)
+        return cls(tuple(lengths), tuple(extra), tuple(shortest))
+
+    def __call__(self, total_tokens: int, num_seqs: int) -> int:
+        chunks = total_tokens // 64 + num_seqs
+        last = len(self.lengths) - 1
+        full = min(chunks.bit_length() - 1, last - 1)   # buckets 0..full lie wholly at or below C
+        per_seq, shortest = self.top_extra[full], self.top_shortest[full]
+        part = full + 1                                  # the bucket C falls into, if C is above 2^full
+        highest = chunks if part == last else min(2 ** part, chunks)
+        length = self.lengths[part]
+        if highest > 2 ** full and 0 < length < highest:
+            per_seq = max(per_seq, -(-highest // length) - 1)
+            shortest = length if shortest == 0 else min(shortest, length)
+        extra = min(num_seqs * per_seq, chunks // shortest) if per_seq else 0
+        return num_seqs + extra
+
+
+def call_segments(tables: WarmupTables, total_tokens: int, num_seqs: int, bytes_per_segment: int) -> int:
+    """The segment bound the kernels get for a call, or 0 to run it without CP: when no length
+    splits, or when the bound exceeds the kernels' limit or its fp32 boundary, H and M states
+    would take more than CP_SCRATCH_LIMIT_BYTES. The bound only sees T and N, so a call of very
+    many sequences is refused CP even when few of them are long; such a call gives each sequence
+    the exact chain (the no-CP result), so batch invariance holds for calls under the limit."""
+    if not tables.splits:
+        return 0
+    segments = tables.bound(total_tokens, num_seqs)
+    if segments > MAX_SEGMENTS or segments * bytes_per_segment > CP_SCRATCH_LIMIT_BYTES:
+        warnings.warn(f"context parallelism is off for a call of {num_seqs} sequences over {total_tokens} tokens: "
+                      f"up to {segments} segments would need {segments * bytes_per_segment / 2**30:.1f} GiB of "
+                      f"boundary states (limit {CP_SCRATCH_LIMIT_BYTES / 2**30:.0f} GiB, {MAX_SEGMENTS} segments); "
+                      f"every sequence of this call is chained exactly", RuntimeWarning, stacklevel=3)
+        return 0
+    return segments
 
 
 def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> int:
-    """An upper bound on the segments of any call of num_seqs sequences over total_tokens tokens
-    under the segment table `lengths` (the kernels plan at most this many, and the workspace holds
-    this many). Sequence i has c_i chunks with sum c_i <= T / 64 + N, and ceil(c_i / L(c_i)) segments."""
-    chunks = total_tokens // 64 + num_seqs
-    per_seq, shortest = 0, None
-    for b, length in enumerate(lengths):
-        if length <= 0:
-            continue
-        lowest = 1 if b == 0 else 2 ** (b - 1) + 1          # bucket b: 2^(b-1) < c <= 2^b
-        highest = chunks if b == len(lengths) - 1 else min(2 ** b, chunks)  # the last bucket is open
-        if highest <= length or highest < lowest:
-            continue                                        # no sequence of this bucket is split
-        per_seq = max(per_seq, -(-highest // length) - 1)   # extra segments grow with c inside a bucket
-        shortest = length if shortest is None else min(shortest, length)
-    extra = min(num_seqs * per_seq, chunks // shortest) if per_seq else 0
-    return num_seqs + extra
+    return SegmentBound.of(tuple(lengths))(total_tokens, num_seqs)
 
 
-__all__ = ["DEFAULT_EPS", "MAX_SEGMENTS", "SEGMENT_BUCKETS", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
+__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "MAX_SEGMENTS", "call_segments", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
            "sm_count", "tables_for"]

@@ -61,12 +61,17 @@ def kernel_segments(lengths, chunks):
 def test_segment_bound_holds_for_random_calls_and_is_exact_for_one_full_bucket():
     rng = random.Random(0)
     lengths = W.segment_lengths((3, 3, 3, 3, 3, 3, -1, -1), PLAN_2_8, 132)
-    for _ in range(2000):
-        n = rng.randint(1, 12)
-        seqlens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 40000)]) for _ in range(n)]
-        T = sum(seqlens) + rng.randint(0, 100)   # rows past the last sequence are allowed
-        used = sum(kernel_segments(lengths, -(-s // 64)) for s in seqlens)
-        assert used <= W.max_segments(tuple(lengths), T, n), (seqlens, T)
+    tables = [lengths] + [[rng.choice([0, 0, 1, 2, 3, 4, 8, 16, 32, 100]) for _ in range(W.SEGMENT_BUCKETS)]
+                          for _ in range(20)]
+    for table in tables:
+        bound = W.SegmentBound.of(tuple(table))
+        for _ in range(300):
+            n = rng.randint(1, 12)
+            seqlens = [rng.choice([0, 1, 63, 64, 65, 4096, rng.randint(0, 40000), rng.randint(0, 400000)])
+                       for _ in range(n)]
+            T = sum(seqlens) + rng.randint(0, 100)   # rows past the last sequence are allowed
+            used = sum(kernel_segments(table, -(-s // 64)) for s in seqlens)
+            assert used <= bound(T, n), (table, seqlens, T)
     for T in (8192, 32768):  # one sequence filling its bucket: the bound is exact
         assert W.max_segments(tuple(lengths), T, 1) == kernel_segments(lengths, T // 64) > 1
     assert W.max_segments((0,) * W.SEGMENT_BUCKETS, 10**6, 3) == 3
@@ -74,7 +79,7 @@ def test_segment_bound_holds_for_random_calls_and_is_exact_for_one_full_bucket()
 
 def test_tables_are_cached_per_values_plan_and_device(monkeypatch):
     monkeypatch.setattr(W, "sm_count", lambda device: 132)
-    W._tables.cache_clear()
+    W._TABLES.clear()
     a = W.tables_for((3,) * 8, PLAN_2_8, torch.device("cpu"), 1e-5)
     b = W.tables_for((3,) * 8, PLAN_2_8, torch.device("cpu"), 1e-5)
     assert a is b and a.warmup.dtype == torch.int32 and a.warmup.tolist() == [3] * 8
@@ -82,3 +87,16 @@ def test_tables_are_cached_per_values_plan_and_device(monkeypatch):
     assert a.log_eps == pytest.approx(math.log(1e-5))
     with pytest.raises(W.WarmupError, match="warmup_eps=0"):
         W.tables_for((3,) * 8, PLAN_2_8, torch.device("cpu"), 0.0)
+
+
+def test_calls_too_large_for_cp_scratch_run_without_it(monkeypatch):
+    monkeypatch.setattr(W, "sm_count", lambda device: 132)
+    tables = W.tables_for((3, 3, 3, 3, 3, 3, -1, -1), PLAN_2_8, torch.device("cpu"), 1e-5)
+    per_segment = 3 * 8 * 128 * 128 * 4
+    assert W.call_segments(tables, 32768, 1, per_segment) == W.max_segments(tables.lengths, 32768, 1) > 1
+    # 8192 short sequences over 2M tokens: the bound cannot tell they are short, and its states would
+    # need tens of GiB, so the call runs as exact chains (with a warning) instead of failing
+    with pytest.warns(RuntimeWarning, match="context parallelism is off for a call of 8192 sequences"):
+        assert W.call_segments(tables, 2 << 20, 8192, per_segment) == 0
+    never = W.tables_for((3,) * 64, default_plan(GDNSpec(16, 64)), torch.device("cpu"), 1e-5)
+    assert not never.splits and W.call_segments(never, 32768, 1, per_segment) == 0
