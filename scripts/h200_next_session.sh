@@ -8,9 +8,11 @@
 #                                                 2/8 and 4/16 scoreboard rows that fit
 #   bash scripts/h200_next_session.sh scoreboard [--heads H/V ...]   scoreboard rows that fit one
 #                                                 call: ours, FLA, FlashQLA (no PyTorch baseline)
-#   bash scripts/h200_next_session.sh cp [--heads H/V ...]   the context-parallel GPU tests, then
-#                                                 ours without CP, with calibrated warm-up and with
-#                                                 exact CP chaining beside FLA and FlashQLA (default 2/8)
+#   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests (and scripts/diag_cp.py
+#                                                 when one fails)
+#   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
+#                                                 warm-up and with exact CP chaining beside FLA and
+#                                                 FlashQLA (default 2/8)
 # Logs go to $OUT; each step prints its summary last.
 set -uo pipefail
 OUT=${OUT:-/tmp/next_out}
@@ -52,14 +54,16 @@ case "${1:-tests}" in
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8 --heads 4/16 --heads 16/64)
     same_run_scoreboard 560 470 "${heads[@]}" ;;
   cp)
-    timeout 240 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider -k context_parallel \
+    timeout 120 python3 scripts/diag_cp.py "$OUT" 2>&1 | tail -n 20
+    timeout 420 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider -k context_parallel \
       > "$OUT/gpu_tests_cp.log" 2>&1
-    grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 30
+    grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 30 ;;
+  cp-bench)
     heads=("${@:2}")
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8)
-    timeout 300 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl flashqla_tune_warmup \
+    timeout 560 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl flashqla_tune_warmup \
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
-      --sample-budget-s 0.05 --budget-s 240 > "$OUT/scoreboard_run.log" 2>&1
+      --sample-budget-s 0.05 --budget-s 480 > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | cp)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | cp | cp-bench)" >&2; exit 2 ;;
 esac
