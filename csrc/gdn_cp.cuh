@@ -10,7 +10,7 @@
 //                       boundary, either a warm-up window (n_h chunks from a zero state, kept only
 //                       if the guard holds on this input) or, for exact boundaries, the previous
 //                       segment's H (end state from zero) and M (transition) jobs.
-//   phase 1             the sequential kernel over the window, H and M jobs (state only).
+//   phase 1             the sequential kernel over the H, M and window jobs (state only).
 //   cp_chain_kernel     exact boundaries in order: S_j = M_{j-1} S_{j-1} + H_{j-1}, fp32.
 //   phase 3             the sequential kernel over the forward jobs, each from its boundary state.
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
@@ -55,7 +55,8 @@ struct CpPlanArgs {
   int32_t* seg_index;             // [S] index of segment z in its sequence
   int64_t* seq_first;             // [N] first segment of each sequence
   int32_t* seq_count;             // [N] segments of each sequence
-  CpJob* jobs_state;              // [3 S, Hv]: windows, then H, then M
+  CpJob* jobs_state;              // [3 S, Hv]: H, M, then windows (the long jobs are dispatched first,
+                                  // the short windows fill in behind them)
   CpJob* jobs_fwd;                // [S, Hv]
   int32_t* exact;                 // [S, Hv]: 1 if boundary z is chained exactly
   float* boundary;                // [S, Hv, state]: the start state of segment z (z not first)
@@ -177,9 +178,9 @@ __global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs
     }
   }
   if (threadIdx.x == 0) {
-    a.jobs_state[row] = window;
-    a.jobs_state[S * Hv + row] = h_job;
-    a.jobs_state[2 * S * Hv + row] = m_job;
+    a.jobs_state[row] = h_job;
+    a.jobs_state[S * Hv + row] = m_job;
+    a.jobs_state[2 * S * Hv + row] = window;
     a.jobs_fwd[row] = fwd;
     a.exact[row] = exact ? 1 : 0;
   }

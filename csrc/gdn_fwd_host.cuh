@@ -104,7 +104,7 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
   fp.ready = nullptr;
   fp.jobs = pa.jobs_state;
   const dim3 tiles_heads(Cfg::HeadV / Cfg::BlockV, Cfg::Hv);
-  gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(3 * S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
+  gdn_fwd_kernel<Cfg, true><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(3 * S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst>
       <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / kChainColumns), kChainThreads, 0, stream>>>(pa);
@@ -143,6 +143,8 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     cudaError_t e = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepCfg::SmemBytes);
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
+    if (e == cudaSuccess)  // the context-parallel state pass
+      e = cudaFuncSetAttribute(gdn_fwd_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
     setup.error = e;

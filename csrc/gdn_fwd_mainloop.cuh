@@ -334,8 +334,12 @@ __device__ __forceinline__ const float* state_pointer(const FwdParams<Cfg>& p, c
   return states ? states + (int64_t(blockIdx.z) * Cfg::Hv + hv) * (int64_t(Cfg::HeadK) * Cfg::HeadV) : nullptr;
 }
 
-template <class Cfg>
+// StateOnly: the context-parallel state pass (windows, H, M): the chain alone, without the O GEMMs,
+// the O stores or the output warp group's handoffs.
+template <class Cfg, bool StateOnly = false>
 __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(CUTE_GRID_CONSTANT const FwdParams<Cfg> p) {
+  constexpr bool kConsumerO = !Cfg::OutputGroup && !StateOnly;  // the consumers compute O themselves
+  constexpr bool kHandoff = Cfg::OutputGroup && !StateOnly;     // they hand S^T, Vn^T to the output group
   using Elem = typename Cfg::Elem;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
@@ -369,7 +373,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
       FullBarrier::init(&ss.full[s], 1);
-      EmptyBarrier::init(&ss.empty[s], 128 * (Cfg::Consumers + (Cfg::OutputGroup ? 1 : 0)));
+      EmptyBarrier::init(&ss.empty[s], 128 * (Cfg::Consumers + (kHandoff ? 1 : 0)));
     }
     for (int i = 0; i < 2; ++i) {
       EmptyBarrier::init(&ss.handoff_full[i], 128);
@@ -386,7 +390,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   }
   if constexpr (Cfg::OutputGroup) {
     if (warp_group == 1 + Cfg::Consumers) {  // keeps the launch-time registers
-      output_group<Cfg>(p, ss, range, vt, hv, threadIdx.x - 128 * warp_group, write_o);
+      if constexpr (!StateOnly) output_group<Cfg>(p, ss, range, vt, hv, threadIdx.x - 128 * warp_group, write_o);
       return;
     }
   }
@@ -481,14 +485,14 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     // Phase 1: S^T K^T (commit group 1, on the chain) and S^T Q^T (group 2, off it).
     warpgroup_fence_operand(fragS);
     warpgroup_fence_operand(accX);
-    if constexpr (!Cfg::OutputGroup) warpgroup_fence_operand(accO);
+    if constexpr (kConsumerO) warpgroup_fence_operand(accO);
     warpgroup_arrive();
     wgmma_gemm(mma_tok, fragS, tBK, accX, true);
     warpgroup_commit_batch();
-    if constexpr (!Cfg::OutputGroup) {
+    if constexpr (kConsumerO) {
       wgmma_gemm(mma_tok, fragS, tBQ, accO, true);
       warpgroup_commit_batch();
-    } else {
+    } else if constexpr (kHandoff) {
       // Hand S^T (this chunk's start state) to the output warp group once it is done with the
       // buffer two chunks back; wgmma only reads fragS, so storing it now is safe.
       if (c >= 2) mbarrier_wait(&ss.handoff_empty[c % 2], ((c / 2) & 1) ^ 1);
@@ -513,7 +517,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       decay[2 * i] = __expf(g.x);
       decay[2 * i + 1] = __expf(g.y);
     }
-    warpgroup_wait<Cfg::OutputGroup ? 0 : 1>();
+    warpgroup_wait<kConsumerO ? 1 : 0>();
     warpgroup_fence_operand(accX);
 
     // X^T = V^T - (S^T K^T) D, while the tensor cores still run S^T Q^T.
@@ -531,7 +535,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     warpgroup_arrive();
     wgmma_gemm(mma_tok, fragX, tBAw, accX, true);
     warpgroup_commit_batch();
-    if constexpr (!Cfg::OutputGroup) {
+    if constexpr (kConsumerO) {
       warpgroup_wait<1>();
       warpgroup_fence_operand(accO);
       CUTE_UNROLL
@@ -561,7 +565,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
       *word_at(fragVn, e) = pack2<Elem>(accX(e), accX(e + 1));
       *word_at(fragVs, e) = pack2<Elem>(tail[column_slot(e)] * accX(e), tail[column_slot(e + 1)] * accX(e + 1));
     }
-    if constexpr (Cfg::OutputGroup) {  // hand Vn^T over, then signal: S^T and Vn^T are in place
+    if constexpr (kHandoff) {  // hand Vn^T over, then signal: S^T and Vn^T are in place
       Tensor tHVn = thr_tok.partition_C(make_tensor(make_smem_ptr(Cfg::handoff_vn(ss, c % 2)), typename Cfg::LayoutMat{}));
       CUTE_UNROLL
       for (int e = 0; e < size(fragVn); e += 2) *word_at(tHVn, e) = *word_at(fragVn, e);
@@ -570,14 +574,14 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     }
 
     // Phase 3: S^T += Vs^T K (group 4, on the chain), then O^T += Vn^T P^T (group 5).
-    warpgroup_fence_operand(fragVn);
+    if constexpr (!StateOnly) warpgroup_fence_operand(fragVn);
     warpgroup_fence_operand(fragVs);
-    if constexpr (!Cfg::OutputGroup) warpgroup_fence_operand(accO);
+    if constexpr (kConsumerO) warpgroup_fence_operand(accO);
     warpgroup_fence_operand(accS);
     warpgroup_arrive();
     wgmma_gemm(mma_state, fragVs, tBKt, accS, false);
     warpgroup_commit_batch();
-    if constexpr (!Cfg::OutputGroup) {
+    if constexpr (kConsumerO) {
       wgmma_gemm(mma_tok, fragVn, tBP, accO, false);
       warpgroup_commit_batch();
       warpgroup_wait<1>();
