@@ -81,6 +81,19 @@ def segment_lengths(values: tuple[int, ...], plan: KernelPlan, sms: int) -> list
     return [table[2 ** min(b, top)] for b in range(SEGMENT_BUCKETS)]
 
 
+def describe_splits(values: tuple[int, ...], plan: KernelPlan, sms: int,
+                    token_lengths: tuple[int, ...] = (2048, 8192, 32768, 131072)) -> str:
+    """How a sequence of each length is cut under this table, e.g. '8192 tokens: 16 x 8 chunks'."""
+    lengths = segment_lengths(values, plan, sms)
+    parts = []
+    for tokens in token_lengths:
+        chunks = -(-tokens // 64)
+        length = lengths[min(max(chunks - 1, 0).bit_length(), SEGMENT_BUCKETS - 1)]
+        split = 0 < length < chunks
+        parts.append(f"{tokens} tokens: " + (f"{-(-chunks // length)} x {length} chunks" if split else "one chain"))
+    return "; ".join(parts)
+
+
 def tables_for(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float) -> WarmupTables:
     """The device tables of a checked warm-up table (normalise) for plan on device; cached."""
     if not 0.0 < eps < 1.0:
@@ -180,5 +193,5 @@ def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> 
     return SegmentBound.of(tuple(lengths))(total_tokens, num_seqs)
 
 
-__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "MAX_SEGMENTS", "call_segments", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
+__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "MAX_SEGMENTS", "call_segments", "describe_splits", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
            "sm_count", "tables_for"]

@@ -100,3 +100,9 @@ def test_calls_too_large_for_cp_scratch_run_without_it(monkeypatch):
         assert W.call_segments(tables, 2 << 20, 8192, per_segment) == 0
     never = W.tables_for((3,) * 64, default_plan(GDNSpec(16, 64)), torch.device("cpu"), 1e-5)
     assert not never.splits and W.call_segments(never, 32768, 1, per_segment) == 0
+
+
+def test_describe_splits_names_segments_per_length():
+    text = W.describe_splits((1,) * 8, PLAN_2_8, 132, token_lengths=(64, 32768))
+    chunks = W.segment_lengths((1,) * 8, PLAN_2_8, 132)[9]
+    assert text == f"64 tokens: one chain; 32768 tokens: {512 // chunks} x {chunks} chunks"
