@@ -193,8 +193,9 @@ __global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs
 template <int Hv, int K, int V, bool VFirst>
 __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
   static_assert(K == kChainThreads && K == V, "the chain kernel assumes K = V = 128");
+  static_assert(kChainColumns % 4 == 0, "rows of prev are read as float4");
   constexpr int64_t kState = int64_t(K) * V;
-  __shared__ float prev[K][kChainColumns + 1];  // padded: row kk's stores land in distinct banks
+  __shared__ __align__(16) float prev[K][kChainColumns];
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
   const int col0 = blockIdx.z * kChainColumns;
@@ -209,7 +210,10 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     if (!a.exact[row]) continue;
     const float* s_prev = a.jobs_fwd[row - Hv].h0;  // segment j - 1's start state (null: zeros)
     __syncthreads();  // the previous step's reads of prev are done, its global writes visible
-    for (int c = 0; c < kChainColumns; ++c) prev[kk][c] = s_prev ? s_prev[at(kk, col0 + c)] : 0.f;
+    for (int e = kk; e < K * kChainColumns; e += kChainThreads) {  // consecutive threads, consecutive words
+      const int r = e / kChainColumns, c = e % kChainColumns;
+      prev[r][c] = s_prev ? s_prev[at(r, col0 + c)] : 0.f;
+    }
     __syncthreads();
     const float* m = a.m_end + row * int64_t(K) * K;
     const float* h = a.h_end + row * kState;
@@ -217,7 +221,14 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     for (int c = 0; c < kChainColumns; ++c) acc[c] = h[at(kk, col0 + c)];
     for (int mm = 0; mm < K; ++mm) {
       const float w = m[at(kk, mm)];  // M (kk, mm): M is stored like a state with V = K
-      for (int c = 0; c < kChainColumns; ++c) acc[c] = fmaf(w, prev[mm][c], acc[c]);
+      const float4* p4 = reinterpret_cast<const float4*>(prev[mm]);  // the same row for every thread
+      for (int q = 0; q < kChainColumns / 4; ++q) {
+        const float4 x = p4[q];
+        acc[4 * q] = fmaf(w, x.x, acc[4 * q]);
+        acc[4 * q + 1] = fmaf(w, x.y, acc[4 * q + 1]);
+        acc[4 * q + 2] = fmaf(w, x.z, acc[4 * q + 2]);
+        acc[4 * q + 3] = fmaf(w, x.w, acc[4 * q + 3]);
+      }
     }
     float* out = a.boundary + row * kState;
     for (int c = 0; c < kChainColumns; ++c) out[at(kk, col0 + c)] = acc[c];
