@@ -235,3 +235,24 @@ def test_calibrated_warmup_column_uses_the_protocols_calibration():
         assert all(1 <= n <= 16 for n in table if n != -1)
     impls, skipped = load_impls(["flashqla_tune_warmup", "flashqla_tune_exact_cp"])
     assert [i.name for i in impls] == ["flashqla_tune_warmup", "flashqla_tune_exact_cp"] and not skipped
+
+
+def test_prewarm_builds_our_plans_for_every_head_configuration(monkeypatch):
+    """--prewarm builds the default plan of each head configuration in one call (one parallel
+    ninja run) beside the anchors' compile processes; a failure is reported, not raised."""
+    from flashqla_tune import cache
+    from flashqla_tune.cli.bench import _start_plan_build
+
+    asked = []
+    monkeypatch.setattr(cache, "get_kernels", lambda plans: asked.append([p.spec.name for p in plans]))
+    thread = _start_plan_build([(2, 8), (16, 64)])
+    thread.join()
+    assert len(asked) == 1 and [n.split("_")[1:3] for n in asked[0]] == [["qk2", "v8"], ["qk16", "v64"]]
+    assert thread.outcome.startswith("2 built or cached")
+
+    def broken(plans):
+        raise RuntimeError("nvcc missing")
+    monkeypatch.setattr(cache, "get_kernels", broken)
+    thread = _start_plan_build([(2, 8)])
+    thread.join()
+    assert thread.outcome == "build failed (RuntimeError: nvcc missing)"
