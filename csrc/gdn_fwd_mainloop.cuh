@@ -117,6 +117,9 @@ struct FwdConfig {
   static constexpr uint32_t StageTxBytes =
       uint32_t(sizeof(Elem)) * (2 * cosize_v<LayoutQK> + cosize_v<LayoutVt> + 2 * cosize_v<LayoutMat>) +
       uint32_t(sizeof(float)) * kChunk;
+  // The state-only pass reads neither Q nor P.
+  static constexpr uint32_t StateStageTxBytes =
+      StageTxBytes - uint32_t(sizeof(Elem)) * (cosize_v<LayoutQK> + cosize_v<LayoutMat>);
 
   // Global views for TMA. q/k: (token, Hqk*K) row-major. v: (Hv*V, token). Aw/P: (Hv*slots*64, 64).
   static auto gmem_qk(const Elem* ptr, int64_t T) {
@@ -186,7 +189,7 @@ __device__ __forceinline__ void to_operand(Frag& frag, const Acc& acc) {
   for (int e = 0; e < size(acc); e += 2) *word_at(frag, e) = pack2<typename Frag::value_type>(acc(e), acc(e + 1));
 }
 
-template <class Cfg>
+template <class Cfg, bool StateOnly>
 __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
                                                const SeqRange& range, int vt, int hv, int hqk) {
   using C64 = typename Cfg::C64;
@@ -232,16 +235,16 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
     Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
     Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
     Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
-    FullBarrier::arrive_and_expect_tx(&ss.full[s], Cfg::StageTxBytes);
+    FullBarrier::arrive_and_expect_tx(&ss.full[s], StateOnly ? Cfg::StateStageTxBytes : Cfg::StageTxBytes);
     auto tma_copy = [&](auto& tma, auto gsrc, auto sdst) {
       auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdst), group_modes<0, 2>(gsrc));
       copy(tma.with(ss.full[s]), tg, ts);
     };
-    tma_copy(p.tma_q, gQ(_, _, c), sQ);
+    if constexpr (!StateOnly) tma_copy(p.tma_q, gQ(_, _, c), sQ);
     tma_copy(p.tma_k, gK(_, _, c), sK);
     tma_copy(p.tma_v, gV(_, _, c), sV);
     tma_copy(p.tma_aw, gAw(_, _, c), sAw);
-    tma_copy(p.tma_p, gP(_, _, c), sP);
+    if constexpr (!StateOnly) tma_copy(p.tma_p, gP(_, _, c), sP);
     SM90_BULK_COPY_G2S::copy(gamma + int64_t(c) * kChunk, &ss.full[s], ss.gamma[s], int32_t(sizeof(float) * kChunk));
   }
 }
@@ -385,7 +388,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::ProducerRegs>();
-    if (threadIdx.x == 0) produce_chunks<Cfg>(p, ss, range, vt, hv, hqk);
+    if (threadIdx.x == 0) produce_chunks<Cfg, StateOnly>(p, ss, range, vt, hv, hqk);
     return;
   }
   if constexpr (Cfg::OutputGroup) {
