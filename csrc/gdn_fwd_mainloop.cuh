@@ -117,9 +117,10 @@ struct FwdConfig {
   static constexpr uint32_t StageTxBytes =
       uint32_t(sizeof(Elem)) * (2 * cosize_v<LayoutQK> + cosize_v<LayoutVt> + 2 * cosize_v<LayoutMat>) +
       uint32_t(sizeof(float)) * kChunk;
-  // The state-only pass reads neither Q nor P.
+  // The state-only pass reads neither Q nor P; a transition job (kJobZeroV) not V either.
   static constexpr uint32_t StateStageTxBytes =
       StageTxBytes - uint32_t(sizeof(Elem)) * (cosize_v<LayoutQK> + cosize_v<LayoutMat>);
+  static constexpr uint32_t VTileBytes = uint32_t(sizeof(Elem)) * cosize_v<LayoutVt>;
 
   // Global views for TMA. q/k: (token, Hqk*K) row-major. v: (Hv*V, token). Aw/P: (Hv*slots*64, 64).
   static auto gmem_qk(const Elem* ptr, int64_t T) {
@@ -191,7 +192,7 @@ __device__ __forceinline__ void to_operand(Frag& frag, const Acc& acc) {
 
 template <class Cfg, bool StateOnly>
 __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
-                                               const SeqRange& range, int vt, int hv, int hqk) {
+                                               const SeqRange& range, int vt, int hv, int hqk, bool zero_v) {
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
   using CBV = typename Cfg::CBV;
@@ -235,14 +236,15 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
     Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
     Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
     Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
-    FullBarrier::arrive_and_expect_tx(&ss.full[s], StateOnly ? Cfg::StateStageTxBytes : Cfg::StageTxBytes);
+    const uint32_t tx = (StateOnly ? Cfg::StateStageTxBytes : Cfg::StageTxBytes) - (zero_v ? Cfg::VTileBytes : 0u);
+    FullBarrier::arrive_and_expect_tx(&ss.full[s], tx);
     auto tma_copy = [&](auto& tma, auto gsrc, auto sdst) {
       auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdst), group_modes<0, 2>(gsrc));
       copy(tma.with(ss.full[s]), tg, ts);
     };
     if constexpr (!StateOnly) tma_copy(p.tma_q, gQ(_, _, c), sQ);
     tma_copy(p.tma_k, gK(_, _, c), sK);
-    tma_copy(p.tma_v, gV(_, _, c), sV);
+    if (!zero_v) tma_copy(p.tma_v, gV(_, _, c), sV);  // a transition job reads v as zeros
     tma_copy(p.tma_aw, gAw(_, _, c), sAw);
     if constexpr (!StateOnly) tma_copy(p.tma_p, gP(_, _, c), sP);
     SM90_BULK_COPY_G2S::copy(gamma + int64_t(c) * kChunk, &ss.full[s], ss.gamma[s], int32_t(sizeof(float) * kChunk));
@@ -388,7 +390,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::ProducerRegs>();
-    if (threadIdx.x == 0) produce_chunks<Cfg, StateOnly>(p, ss, range, vt, hv, hqk);
+    if (threadIdx.x == 0) produce_chunks<Cfg, StateOnly>(p, ss, range, vt, hv, hqk, job_flags & kJobZeroV);
     return;
   }
   if constexpr (Cfg::OutputGroup) {
@@ -506,7 +508,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     // Off the tensor cores while they run: V^T and this thread's 16 token columns' decays e^{g}.
     uint32_t v_frag[16];
     const uint32_t v_base = uint32_t(cute::cast_smem_ptr_to_uint(st.v.data()));
-    if (job_flags & kJobZeroV) {  // a transition job: the loaded V is ignored
+    if (job_flags & kJobZeroV) {  // a transition job: V is not loaded and reads as zeros
       CUTE_UNROLL
       for (int i = 0; i < 16; ++i) v_frag[i] = 0u;
     } else {
