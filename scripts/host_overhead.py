@@ -3,6 +3,7 @@
 back-to-back calls (the GPU runs behind; nothing synchronises inside the loop):
 
   op        flashqla_tune.ops.chunk_gated_delta_rule (checks, custom-op dispatch, everything)
+  op_cp     the same with the calibrated warm-up table of the protocol's gates (context parallel)
   forward   runtime.forward (buffers, the launch struct, the C++ host path)
   launch    the library call alone with a prepared struct (TMA descriptors, two launches)
   empty     one torch.empty of the workspace;  stream  torch's current stream handle
@@ -20,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from flashqla_tune import abi, ops, runtime
+from flashqla_tune.bench.inputs import protocol_warmup_table
 
 CALLS = 200
+CP_TABLE = protocol_warmup_table(8)
 
 
 def per_call_us(fn) -> float:
@@ -59,6 +62,10 @@ def main(out_dir: str) -> int:
         result = {
             "op": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                                                  output_final_state=True, cu_seqlens=cu)),
+            # context parallel (the protocol's calibrated table splits this row): four more launches
+            "op_cp": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                                    output_final_state=True, cu_seqlens=cu,
+                                                                    warmup=CP_TABLE)),
             "forward": per_call_us(lambda: runtime.forward(plan, q, k, v, g, beta, cu, h0, 128 ** -0.5, True, False)),
             "launch": per_call_us(lambda: lib.launch(args, stream)),
             "empty": per_call_us(lambda: torch.empty(lib.workspace_bytes(T, 1), dtype=torch.uint8, device=dev)),
