@@ -24,8 +24,25 @@ import math
 from dataclasses import dataclass
 
 
+SEGMENT_BUCKETS = 32  # csrc/gdn_cp.cuh kSegmentBuckets: entry b for sequences of <= 2^b chunks (the last: longer)
+
+
 class CPPlanError(ValueError):
-    """A warm-up profile or machine description that the model cannot use."""
+    """A warm-up profile, machine description or segment table that the model cannot use."""
+
+
+def check_segment_table(lengths) -> tuple[int, ...]:
+    """A segment table as the kernels read it: SEGMENT_BUCKETS non-negative ints (chunks per
+    length bucket, 0 = no split)."""
+    try:
+        values = tuple(lengths)
+    except TypeError:
+        raise CPPlanError(f"a segment table is a list of {SEGMENT_BUCKETS} ints, got {lengths!r}") from None
+    if len(values) != SEGMENT_BUCKETS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                 for n in values):
+        raise CPPlanError(f"a segment table has {SEGMENT_BUCKETS} non-negative ints (chunks per length "
+                          f"bucket), got {list(values)!r}")
+    return values
 
 
 @dataclass(frozen=True)
@@ -118,4 +135,5 @@ def segment_table(chains: int, profile: WarmupProfile, machine: Machine, max_log
     return {2 ** b: segment_length(2 ** b, chains, profile, machine, min_gain) for b in range(max_log2_chunks + 1)}
 
 
-__all__ = ["CPPlanError", "Machine", "WarmupProfile", "makespan", "segment_length", "segment_table"]
+__all__ = ["CPPlanError", "Machine", "SEGMENT_BUCKETS", "WarmupProfile", "check_segment_table", "makespan",
+           "segment_length", "segment_table"]

@@ -197,7 +197,8 @@ def gdn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     # scalars, a string and a list of ints.
     plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
     return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
-                           use_qk_l2norm, warmup=None if warmup is None else tuple(warmup), warmup_eps=warmup_eps)
+                           use_qk_l2norm, warmup=None if warmup is None else tuple(warmup), warmup_eps=warmup_eps,
+                           segment_lengths=runtime.segment_lengths_for(plan_name) if plan_name else None)
 
 
 _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())(gdn_fwd_impl)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
+from .cp_plan import CPPlanError, check_segment_table
 from .files import sha256_file
 from .plan import KernelPlan, PlanError
 from .spec import GDNSpec, SpecError
@@ -44,6 +45,9 @@ class PackPlan:
     so: str                     # path relative to the pack
     so_sha256: str
     tuning: dict | None = None  # study, best trial, times_ms, default_times_ms, speedup; None if untuned
+    # CP segment length (chunks) per length bucket (cp_plan.SEGMENT_BUCKETS entries) that the plan
+    # applies with the pack's calibration; None (older packs): the cost model decides per call
+    segment_chunks: tuple[int, ...] | None = None
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -51,7 +55,8 @@ class PackPlan:
 
     def to_dict(self) -> dict:
         return {"tp_size": self.tp_size, "form": self.form, "heads": list(self.heads), "name": self.plan.name,
-                "plan": self.plan.to_dict(), "so": self.so, "so_sha256": self.so_sha256, "tuning": self.tuning}
+                "plan": self.plan.to_dict(), "so": self.so, "so_sha256": self.so_sha256, "tuning": self.tuning,
+                "segment_chunks": None if self.segment_chunks is None else list(self.segment_chunks)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "PackPlan":
@@ -60,8 +65,14 @@ class PackPlan:
         so = d["so"]
         if not isinstance(so, str) or Path(so).is_absolute() or ".." in Path(so).parts:
             raise PackError(f"plan entry names binary {so!r}: must be a path inside the pack")
+        segments = d.get("segment_chunks")
+        if segments is not None:
+            try:
+                segments = check_segment_table(segments)
+            except CPPlanError as exc:
+                raise PackError(f"plan entry {d.get('name')!r}: segment_chunks: {exc}") from None
         return cls(int(d["tp_size"]), d["form"], KernelPlan.from_dict(d["plan"]), so, str(d["so_sha256"]),
-                   d.get("tuning"))
+                   d.get("tuning"), segments)
 
 
 @dataclass(frozen=True)

@@ -168,7 +168,8 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
             dest = staging / rel
             if not dest.exists():
                 shutil.copyfile(entries[plan].so_path, dest)
-            pack_plans.append(PackPlan(h.tp_size, h.form, plan, rel, sha256_file(dest), tuning.get(plan)))
+            pack_plans.append(PackPlan(h.tp_size, h.form, plan, rel, sha256_file(dest), tuning.get(plan),
+                                       cp_segment_table(cal, plan, gpu)))
         gpu_record = ({"name": gpu.name, "arch": gpu.arch, "driver": gpu.driver, "sm_count": gpu.sm_count}
                       if gpu is not None else {"target": UNTUNED_TARGET, "name": None, "arch": "sm_90a"})
         manifest = Manifest(spec=model.spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
@@ -184,6 +185,17 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         raise
     seconds["total"] = time.perf_counter() - t0
     return BuildReport(out, manifest, False, why, seconds)
+
+
+def cp_segment_table(cal, plan: KernelPlan, gpu) -> tuple[int, ...]:
+    """The CP split a plan applies with this calibration: the cost model on the profile pooled
+    over every layer and head (DESIGN.md: the plan decides the splits from the calibration), for
+    this GPU's SMs, or an H200's 132 for an untuned pack."""
+    from .cp_plan import WarmupProfile
+    from .warmup import profile_segment_lengths
+
+    sms = gpu.sm_count if gpu is not None else 132
+    return tuple(profile_segment_lengths(WarmupProfile.from_calibration(cal), plan, sms))
 
 
 def _tune(plans: dict, gpu, budget_s, jobs, progress, log):

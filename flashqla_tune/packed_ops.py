@@ -17,6 +17,7 @@ Tensor parallelism: rank r of tp_size holds q/k heads [r*Hqk/tp, (r+1)*Hqk/tp) a
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 from pathlib import Path
 
@@ -55,11 +56,12 @@ class PackOps:
     """The ops of one pack for one tensor-parallel rank."""
 
     def __init__(self, pack: Path, manifest: Manifest, tp_rank: int, tp_size: int, plans: list[PackPlan],
-                 calibration, libraries: dict):
+                 calibration, libraries: dict, registered: dict):
         self.pack, self.manifest, self.tp_rank, self.tp_size = pack, manifest, tp_rank, tp_size
         self.plans = plans
         self.calibration = calibration
         self.libraries = libraries
+        self.registered = registered  # plan name -> the name the op knows it by (runtime.register_library)
         hv = manifest.spec.num_v_heads // tp_size
         self.v_heads = range(tp_rank * hv, (tp_rank + 1) * hv)
         sl = slice(self.v_heads.start, self.v_heads.stop)
@@ -105,7 +107,7 @@ class PackOps:
                              f"{self.manifest.spec.num_v_heads})")
         plan = self.plan_for(q, v, state_v_first)
         return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                               state_v_first, cu_seqlens, plan_name=plan.name,
+                               state_v_first, cu_seqlens, plan_name=self.registered[plan.name],
                                warmup=list(warmup_tables.normalise(table, Hv)), warmup_eps=self.warmup_eps)
 
     def __repr__(self) -> str:
@@ -140,12 +142,21 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
         raise PackError(f"pack {pack}: the calibration has {len(cal.layers)} layers of "
                         f"{[len(layer.heads) for layer in cal.layers]} heads; the model has "
                         f"{manifest.num_gdn_layers} GDN layers of Hv={hv}")
-    libraries = {}
+    libraries, registered = {}, {}
     for p in plans:
         try:
             lib = open_library(pack / p.so, p.plan)
         except loader.StaleKernelError as exc:
             raise PackError(f"pack {pack}: {exc}") from exc
         libraries[p.plan.name] = lib
-        runtime.register_library(p.plan, lib)
-    return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries)
+        registered[p.plan.name] = runtime.register_library(p.plan, lib, _registered_name(p), p.segment_chunks)
+    return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries, registered)
+
+
+def _registered_name(p) -> str:
+    """The plan's name for the op: qualified by the pack's segment table, so two packs sharing a
+    binary but not a table (another calibration or GPU) each keep theirs."""
+    if p.segment_chunks is None:
+        return p.plan.name
+    digest = hashlib.sha256(",".join(map(str, p.segment_chunks)).encode()).hexdigest()[:12]
+    return f"{p.plan.name}@cp-{digest}"

@@ -12,11 +12,13 @@ import threading
 import torch
 
 from . import abi, warmup as warmup_tables
+from .cp_plan import check_segment_table
 from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
 
 _libraries: dict[KernelPlan, object] = {}
-_registered: dict[str, KernelPlan] = {}  # plans with a library from a pack, by name
+_registered: dict[str, KernelPlan] = {}  # plans with a library from a pack, by registered name
+_segment_tables: dict[str, tuple[int, ...]] = {}  # a pack's CP segment table, by registered name
 _lock = threading.Lock()
 
 
@@ -26,12 +28,23 @@ def default_plan_for(spec: GDNSpec) -> KernelPlan:
     return default_plan(spec)
 
 
-def register_library(plan: KernelPlan, lib) -> None:
+def register_library(plan: KernelPlan, lib, name: str | None = None,
+                     segment_lengths: tuple[int, ...] | None = None) -> str:
     """Use an already opened library (e.g. from a kernel pack) for plan, so nothing is built, and
-    make the plan findable by name for the op (plan_by_name)."""
+    make the plan findable for the op (plan_by_name) under `name` (default plan.name), with the
+    pack's CP segment table if it has one. Returns the name."""
+    name = name or plan.name
     with _lock:
         _libraries.setdefault(plan, lib)
-        _registered[plan.name] = plan
+        _registered[name] = plan
+        if segment_lengths is not None:
+            _segment_tables[name] = check_segment_table(segment_lengths)
+    return name
+
+
+def segment_lengths_for(name: str) -> tuple[int, ...] | None:
+    """The segment table registered with a pack's plan, or None (the cost model decides per call)."""
+    return _segment_tables.get(name)
 
 
 def plan_by_name(name: str) -> KernelPlan:
@@ -60,7 +73,7 @@ PREP_SCHEDULES = {"auto": 0, "serial": 1, "overlap": 2}  # csrc/gdn_abi.h FQT_PR
 def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
             use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None,
             prep_schedule: str = "auto", warmup: tuple[int, ...] | None = None,
-            warmup_eps: float = warmup_tables.DEFAULT_EPS):
+            warmup_eps: float = warmup_tables.DEFAULT_EPS, segment_lengths: tuple[int, ...] | None = None):
     """Packed inputs ([1, T, H, D], cu_seqlens int64 [N+1] on the device) -> (o, final_state).
 
     final_state is an empty tensor when not asked for (custom ops cannot return None). Tests
@@ -68,7 +81,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     forces how the prep and sequential kernels share the GPU ("serial" or "overlap"; results are
     bitwise equal), for tests and benchmarks; "auto" picks by the sequential grid's size.
     warmup (checked by warmup.normalise) turns on context parallelism where its segment table
-    splits; the prep schedule is then serial."""
+    splits (segment_lengths, else the cost model's for this table); the prep schedule is then serial."""
     T, Hv = v.shape[1], v.shape[2]
     N = cu_seqlens.shape[0] - 1
     K, V = q.shape[3], v.shape[3]
@@ -90,7 +103,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     if schedule is None:
         raise ValueError(f"prep_schedule={prep_schedule!r} must be one of {sorted(PREP_SCHEDULES)}")
     lib = library(plan)
-    cp = None if warmup is None else warmup_tables.tables_for(warmup, plan, v.device, warmup_eps)
+    cp = None if warmup is None else warmup_tables.tables_for(warmup, plan, v.device, warmup_eps, segment_lengths)
     segments = 0 if cp is None else warmup_tables.call_segments(cp, T, N, 3 * Hv * K * V * 4)
     if segments == 0:
         cp = None  # one exact chain per sequence

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .calibrate.settings import DEFAULT_EPS  # the calibration's default eps: the same bound
-from .cp_plan import Machine, WarmupProfile, segment_table
+from .cp_plan import SEGMENT_BUCKETS, Machine, WarmupProfile, check_segment_table, segment_table
 from .plan import KernelPlan
 
-SEGMENT_BUCKETS = 32        # csrc/gdn_cp.cuh kSegmentBuckets: entry b for sequences of <= 2^b chunks
 MAX_WINDOW_CHUNKS = 1024    # a window is a warm-up over n_h chunks; calibration caps n_h at 16
 MAX_SEGMENTS = 65535 // 3   # csrc/gdn_cp.cuh kMaxSegments: the state pass has 3 grid z-slices per segment
 CP_SCRATCH_LIMIT_BYTES = 2 << 30  # fp32 boundary, H and M states of a call; above it the call runs without CP
@@ -71,10 +70,14 @@ def normalise(warmup, num_v_heads: int) -> tuple[int, ...]:
 
 def segment_lengths(values: tuple[int, ...], plan: KernelPlan, sms: int) -> list[int]:
     """The kernel's segment table: entry b is the segment length (chunks) for sequences of at most
-    2^b chunks, from the CP cost model for this plan's chains on `sms` SMs."""
+    2^b chunks, from the CP cost model for this plan's chains on `sms` SMs and this warm-up table."""
+    return profile_segment_lengths(WarmupProfile.from_tables([list(values)]), plan, sms)
+
+
+def profile_segment_lengths(profile: WarmupProfile, plan: KernelPlan, sms: int) -> list[int]:
+    """The same from a pooled profile (a pack's: every layer and head of its calibration)."""
     t = plan.tiles
     chains = plan.spec.num_v_heads * (plan.spec.head_v_dim // t.block_v)
-    profile = WarmupProfile.from_tables([list(values)])
     table = segment_table(chains, profile, Machine(sms=sms, ctas_per_sm=t.ctas_per_sm))
     buckets = sorted(table)
     top = int(math.log2(buckets[-1]))
@@ -94,13 +97,15 @@ def describe_splits(values: tuple[int, ...], plan: KernelPlan, sms: int,
     return "; ".join(parts)
 
 
-def tables_for(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float) -> WarmupTables:
-    """The device tables of a checked warm-up table (normalise) for plan on device; cached."""
+def tables_for(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float,
+               lengths: tuple[int, ...] | None = None) -> WarmupTables:
+    """The device tables of a checked warm-up table (normalise) for plan on device; cached.
+    lengths: a segment table to use instead of the cost model's for this table (a pack's)."""
     if not 0.0 < eps < 1.0:
         raise WarmupError(f"warmup_eps={eps} must lie in (0, 1)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _tables(values, plan, device, float(eps))
+    return _tables(values, plan, device, float(eps), lengths)
 
 
 def sm_count(device: torch.device) -> int:
@@ -113,19 +118,21 @@ _TABLES: dict[tuple, WarmupTables] = {}
 _TABLES_LOCK = threading.Lock()
 
 
-def _tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float) -> WarmupTables:
-    key = (values, plan, device, eps)
+def _tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float,
+            lengths: tuple[int, ...] | None) -> WarmupTables:
+    key = (values, plan, device, eps, lengths)
     tables = _TABLES.get(key)
     if tables is None:
         with _TABLES_LOCK:
             tables = _TABLES.get(key)
             if tables is None:
-                tables = _TABLES[key] = _make_tables(values, plan, device, eps)
+                tables = _TABLES[key] = _make_tables(values, plan, device, eps, lengths)
     return tables
 
 
-def _make_tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float) -> WarmupTables:
-    lengths = segment_lengths(values, plan, sm_count(device))
+def _make_tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float,
+                 lengths: tuple[int, ...] | None) -> WarmupTables:
+    lengths = check_segment_table(lengths) if lengths is not None else segment_lengths(values, plan, sm_count(device))
     return WarmupTables(torch.tensor(values, dtype=torch.int32, device=device),
                         torch.tensor(lengths, dtype=torch.int32, device=device), tuple(lengths), math.log(eps),
                         SegmentBound.of(tuple(lengths)))
@@ -193,5 +200,6 @@ def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> 
     return SegmentBound.of(tuple(lengths))(total_tokens, num_seqs)
 
 
-__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "MAX_SEGMENTS", "call_segments", "describe_splits", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
+__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "MAX_SEGMENTS", "call_segments", "describe_splits",
+           "profile_segment_lengths", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
            "sm_count", "tables_for"]

@@ -154,3 +154,27 @@ def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeyp
     assert args.warmup is None and args.segment_chunks is None and args.max_segments == 0
     with pytest.raises(warmup_tables.WarmupError, match="warmup has 2 entries; the call has Hv=8"):
         ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]), warmup=[1, 1])
+
+
+def test_a_registered_segment_table_overrides_the_cost_model(recorded, monkeypatch):
+    """A pack's plan registered with a segment table: calls under that name split by it."""
+    from flashqla_tune import warmup as warmup_tables
+
+    lib, plan = recorded
+    monkeypatch.setattr(warmup_tables, "sm_count", lambda device: 132)
+    override = (0,) * 7 + (32,) * 25
+    name = runtime.register_library(plan, lib, f"{plan.name}@cp-test", override)
+    T = 8192
+    q = torch.randn(1, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, T, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, T, 8)
+    table = [3] * 8
+    ops.run_checked(q, q, v, g, g, None, None, False, False, True, torch.tensor([0, T]), plan_name=name,
+                    warmup=table)
+    args = lib.calls[-1][0]
+    tables = warmup_tables.tables_for(tuple(table), plan, q.device, warmup_tables.DEFAULT_EPS, override)
+    assert tables.lengths == override and args.segment_chunks == tables.segment_chunks.data_ptr()
+    # the bound for one sequence of at most 129 chunks (T / 64 + N) in segments of 32: 5
+    assert args.max_segments == warmup_tables.max_segments(override, T, 1) == 5
+    with pytest.raises(ValueError, match="a segment table has 32 non-negative ints"):
+        runtime.register_library(plan, lib, "bad", (1, 2))

@@ -196,3 +196,32 @@ def test_calls_pass_the_layer_table_and_the_calibration_eps(tmp_path, monkeypatc
     assert seen["warmup_eps"] == o.calibration.settings.eps
     o.chunk_gated_delta_rule(q, q, v, g, g)
     assert seen["warmup"] == o.warmup_table().tolist()
+
+
+def test_a_packs_segment_table_reaches_the_op_under_a_qualified_name(tmp_path, monkeypatch):
+    """A plan's CP segment table in the manifest is registered with its library under a name
+    qualified by the table, which the pack's calls pass to the op; older packs (no table) keep
+    the plan's own name and the per-call cost model. A malformed table is refused by name."""
+    from flashqla_tune import runtime
+
+    table = [0] * 5 + [8] * 27
+    pack = make_pack(tmp_path / "p")
+    edit_manifest(pack, lambda d: [p.update(segment_chunks=table) for p in d["plans"]])
+    o = _load(pack)
+    name = o.registered[o.plans[0].plan.name]
+    assert name.startswith(o.plans[0].plan.name + "@cp-")
+    assert runtime.segment_lengths_for(name) == tuple(table) and runtime.plan_by_name(name) == o.plans[0].plan
+    seen = {}
+    monkeypatch.setattr(ops, "check_inputs", ops.check_shapes_and_types)
+    monkeypatch.setattr(ops, "run_checked", lambda *args, **kw: seen.update(kw))
+    q, v = _qv(2, 8)
+    o.chunk_gated_delta_rule(q, q, v, torch.zeros(1, 5, 8), torch.zeros(1, 5, 8))
+    assert runtime.segment_lengths_for(seen["plan_name"]) == tuple(table)
+
+    old = _load(make_pack(tmp_path / "old"))
+    assert old.registered[old.plans[0].plan.name] == old.plans[0].plan.name
+
+    bad = make_pack(tmp_path / "bad")
+    edit_manifest(bad, lambda d: d["plans"][0].update(segment_chunks=[4, -1]))
+    with pytest.raises(PackError, match="segment_chunks: a segment table has 32 non-negative ints"):
+        _load(bad)

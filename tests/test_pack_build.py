@@ -38,6 +38,12 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert sorted((p.tp_size, p.form, p.heads) for p in m.plans) == [
         (1, "native", (2, 8)), (1, "qk_repeated", (8, 8)), (2, "native", (1, 4)), (2, "qk_repeated", (4, 4))]
     assert all((pack / p.so).is_file() and p.tuning is None for p in m.plans)
+    # every plan carries the CP split it applies with this calibration (an H200's SMs: untuned)
+    from flashqla_tune.calibrate.artifact import load_calibration
+    from flashqla_tune.pack_build import cp_segment_table
+    cal_obj = load_calibration(pack / "calibration.json")
+    assert all(p.segment_chunks == cp_segment_table(cal_obj, p.plan, None) and len(p.segment_chunks) == 32
+               for p in m.plans)
     data = json.loads((pack / "manifest.json").read_text())
     assert data["toolchain"]["nvcc"] and data["toolchain"]["cutlass"] and data["calibration"]["sha256"]
     cal = json.loads((pack / "calibration.json").read_text())
