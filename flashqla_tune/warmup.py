@@ -84,14 +84,12 @@ def profile_segment_lengths(profile: WarmupProfile, plan: KernelPlan, sms: int) 
     return [table[2 ** min(b, top)] for b in range(SEGMENT_BUCKETS)]
 
 
-def describe_splits(values: tuple[int, ...], plan: KernelPlan, sms: int,
-                    token_lengths: tuple[int, ...] = (2048, 8192, 32768, 131072)) -> str:
-    """How a sequence of each length is cut under this table, e.g. '8192 tokens: 16 x 8 chunks'."""
-    lengths = segment_lengths(values, plan, sms)
+def describe_splits(lengths: tuple[int, ...], token_lengths: tuple[int, ...] = (2048, 8192, 32768, 131072)) -> str:
+    """How a segment table cuts a sequence of each length, e.g. '8192 tokens: 16 x 8 chunks'."""
     parts = []
     for tokens in token_lengths:
         chunks = -(-tokens // 64)
-        length = lengths[min(max(chunks - 1, 0).bit_length(), SEGMENT_BUCKETS - 1)]
+        length = lengths[min(max(chunks - 1, 0).bit_length(), len(lengths) - 1)]
         split = 0 < length < chunks
         parts.append(f"{tokens} tokens: " + (f"{-(-chunks // length)} x {length} chunks" if split else "one chain"))
     return "; ".join(parts)

@@ -31,7 +31,7 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert main(["build", str(default_model_path()), "--out", str(pack), "--tp", "1,2", "--no-tune", *SMALL]) == 0
     out, err = capsys.readouterr()
     assert "untuned sm_90a pack" in out
-    assert "context parallel with the model-wide table" in out and "tp=2 native      2048 tokens: " in out
+    assert "context parallel (segment tables from the pooled calibration" in out and "tp=2 native      2048 tokens: " in out
     assert "5 GDN layers x 8 v-heads" in err and "layer 0: " in err  # the calibration summary
     m = read_manifest(pack)
     assert not m.tuned and m.gpu["arch"] == "sm_90a" and m.tp_sizes == (1, 2)

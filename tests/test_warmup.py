@@ -103,6 +103,6 @@ def test_calls_too_large_for_cp_scratch_run_without_it(monkeypatch):
 
 
 def test_describe_splits_names_segments_per_length():
-    text = W.describe_splits((1,) * 8, PLAN_2_8, 132, token_lengths=(64, 32768))
-    chunks = W.segment_lengths((1,) * 8, PLAN_2_8, 132)[9]
-    assert text == f"64 tokens: one chain; 32768 tokens: {512 // chunks} x {chunks} chunks"
+    lengths = tuple(W.segment_lengths((1,) * 8, PLAN_2_8, 132))
+    text = W.describe_splits(lengths, token_lengths=(64, 32768))
+    assert text == f"64 tokens: one chain; 32768 tokens: {512 // lengths[9]} x {lengths[9]} chunks"

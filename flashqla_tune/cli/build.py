@@ -46,20 +46,16 @@ def run(args) -> int:
             timing = f", {p.tuning['speedup_over_default']:.3f}x the default tiles"
         print(f"  tp={p.tp_size} {p.form:<11} {p.plan.name}  (block_v={t.block_v} stages={t.stages} "
               f"regs={t.producer_regs}/{t.consumer_regs} ctas/SM={t.ctas_per_sm}{timing})")
-    print_context_parallel(rep.pack, m)
+    print_context_parallel(m)
     return 0
 
 
-def print_context_parallel(pack, manifest) -> None:
-    """The CP split each plan applies with the model-wide warm-up table (rank 0's heads)."""
-    from ..calibrate.artifact import load_calibration
-    from ..pack import check_calibration
+def print_context_parallel(manifest) -> None:
+    """The CP split each plan's segment table (stored in the pack) applies."""
     from ..warmup import describe_splits
 
-    table = load_calibration(check_calibration(pack, manifest)).model_table()
-    sms = manifest.gpu.get("sm_count") if manifest.tuned else None
-    where = f"{manifest.gpu['name']}'s {sms} SMs" if sms else "an H200's 132 SMs"
-    print(f"  context parallel with the model-wide table {table} on {where}:")
+    where = f"{manifest.gpu['name']}'s {manifest.gpu['sm_count']} SMs" if manifest.tuned else "an H200's 132 SMs"
+    print(f"  context parallel (segment tables from the pooled calibration, for {where}):")
     for p in manifest.plans:
-        heads = table[:p.plan.spec.num_v_heads]  # rank 0's v-heads
-        print(f"    tp={p.tp_size} {p.form:<11} {describe_splits(tuple(heads), p.plan, sms or 132)}")
+        if p.segment_chunks is not None:
+            print(f"    tp={p.tp_size} {p.form:<11} {describe_splits(p.segment_chunks)}")
