@@ -114,6 +114,26 @@ def assert_written_and_equal(a, b):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def assert_replay_on_new_inputs_equals_eager(call, inp, fresh):
+    """call() (reading the tensors of inp) warmed up on a side stream, captured in a CUDA graph;
+    then inp takes fresh's values in place and the replay must equal an eager call bitwise."""
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_g, s_g = call()
+        for name in ("q", "k", "v", "g", "beta", "initial_state"):
+            inp[name].copy_(fresh[name])
+        graph.replay()
+        o_e, s_e = call()
+    torch.cuda.synchronize()
+    assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+
+
 def fla_errors(inp, l2norm, ref_o, ref_s):
     fla = fla_forward()
     if fla is None:
@@ -336,22 +356,8 @@ def test_overlapped_schedule_replays_in_a_cuda_graph():
         return runtime.forward(plan, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
                                inp["initial_state"], 128 ** -0.5, True, False, prep_schedule="overlap")
 
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, s_g = call()
-        fresh = make_case(14, [6000, 2500], 2, 8, torch.bfloat16, "mixed", True, False)
-        for name in ("q", "k", "v", "g", "beta", "initial_state"):
-            inp[name].copy_(fresh[name])
-        graph.replay()
-        o_e, s_e = call()
-    torch.cuda.synchronize()
-    assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+    assert_replay_on_new_inputs_equals_eager(call, inp, make_case(14, [6000, 2500], 2, 8, torch.bfloat16, "mixed",
+                                                                  True, False))
 
 
 # ---- Warm-up context parallelism (issue 5, docs/cp-design.md) ----
@@ -435,19 +441,5 @@ def test_context_parallel_replays_in_a_cuda_graph():
         return ops.chunk_gated_delta_rule(*(inp[n] for n in names), initial_state=inp["initial_state"],
                                           output_final_state=True, cu_seqlens=inp["cu_seqlens"], warmup=MIXED_2_8)
 
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, s_g = call()
-        fresh = make_case(24, [8192, 2000], 2, 8, torch.bfloat16, "mixed", True, False)
-        for name in names + ("initial_state",):
-            inp[name].copy_(fresh[name])
-        graph.replay()
-        o_e, s_e = call()
-    torch.cuda.synchronize()
-    assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+    assert_replay_on_new_inputs_equals_eager(call, inp, make_case(24, [8192, 2000], 2, 8, torch.bfloat16, "mixed",
+                                                                  True, False))
