@@ -25,9 +25,7 @@ namespace fqt {
 
 constexpr int kSegmentBuckets = 32;  // entry b: sequences of at most 2^b chunks (the last: longer ones)
 constexpr int kPlanThreads = 1024;
-constexpr int kGuardThreads = 256;
-constexpr int kChainColumns = 16;    // state columns per chain CTA
-constexpr int kChainThreads = 128;   // one per state row (K = 128)
+constexpr int kGuardThreads = 512;  // a window's tokens spread over 16 warps: the guard is latency-bound
 constexpr int64_t kMaxSegments = 65535 / 3;  // the state pass has 3 grid z-slices per segment
 
 // Segment length in chunks for a sequence of `chunks` chunks; a result of 0 or >= chunks means one
@@ -115,8 +113,10 @@ __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int 
   const Elem* k = static_cast<const Elem*>(a.k);
   float decay = 0.f;
   bool ok = true;
+#pragma unroll 4
   for (int64_t t = t0 + warp; t < t1; t += kWarps) {  // a warp per token, in a fixed order
     float sq = 0.f;
+#pragma unroll
     for (int d = lane; d < K; d += 32) {
       const float x = float(k[(t * Hqk + hqk) * K + d]);
       sq += x * x;
@@ -186,43 +186,96 @@ __global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs
   }
 }
 
-// One CTA per (sequence, v-head, 16 state columns): the exact boundaries of the sequence in order.
-// S_j = M_{j-1} S_{j-1} + H_{j-1}, where S_{j-1} is whatever segment j-1 starts from (the
+// One CTA per (sequence, v-head, Columns state columns): the exact boundaries of the sequence in
+// order. S_j = M_{j-1} S_{j-1} + H_{j-1}, where S_{j-1} is whatever segment j-1 starts from (the
 // sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
-// CTAs of one head need no ordering between them.
-template <int Hv, int K, int V, bool VFirst>
+// CTAs of one head need no ordering between them, and each output element sums over m in the same
+// order whatever Columns is (bitwise the same for 8 or 16).
+// The chain is a latency-bound walk: each step's M (64 KB fp32) goes to shared memory with
+// cp.async while the previous step computes (two buffers), rows padded to K + 1 words so both the
+// coalesced fill and the per-row reads are free of bank conflicts; a step's result stays in shared
+// memory as the next step's input when the next boundary is exact too.
+constexpr int kChainThreads = 256;   // two threads per state row (K = 128), each half the columns
+constexpr int kChainPad = 1;         // words of padding per shared-memory row of M
+
+template <int K, int Columns>
+constexpr int chain_smem_bytes() {
+  return int(sizeof(float)) * (2 * K * (K + kChainPad) + K * Columns);
+}
+
+__device__ __forceinline__ void cp_async_4(float* dst, const float* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <int Hv, int K, int V, bool VFirst, int Columns>
 __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
-  static_assert(K == kChainThreads && K == V, "the chain kernel assumes K = V = 128");
-  static_assert(kChainColumns % 4 == 0, "rows of prev are read as float4");
+  static_assert(2 * K == kChainThreads && K == V, "the chain kernel assumes K = V = 128, two threads per row");
+  static_assert(Columns % 8 == 0, "each thread's half of the columns is read as float4");
+  constexpr int kHalf = Columns / 2;
+  constexpr int kRow = K + kChainPad;
   constexpr int64_t kState = int64_t(K) * V;
-  __shared__ __align__(16) float prev[K][kChainColumns];
+  extern __shared__ __align__(16) float chain_smem[];
+  float* m_buf = chain_smem;                       // [2][K][K + pad]
+  float* prev = chain_smem + 2 * K * kRow;         // [K][Columns]
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
-  const int col0 = blockIdx.z * kChainColumns;
-  const int kk = threadIdx.x;
+  const int col0 = blockIdx.z * Columns;
+  const int kk = threadIdx.x % K;                  // the state row this thread computes
+  const int c0 = (threadIdx.x / K) * kHalf;        // its first column within the CTA's
   auto at = [](int64_t r, int64_t c) -> int64_t { return VFirst ? c * K + r : r * V + c; };  // (k, v) element
   const int64_t first = a.seq_first[i];
   const int32_t n = a.seq_count[i];
-  for (int32_t j = 1; j < n; ++j) {
-    const int64_t z = first + j;
-    if (z >= a.num_segments) break;
-    const int64_t row = z * Hv + hv;
-    if (!a.exact[row]) continue;
-    const float* s_prev = a.jobs_fwd[row - Hv].h0;  // segment j - 1's start state (null: zeros)
-    __syncthreads();  // the previous step's reads of prev are done, its global writes visible
-    for (int e = kk; e < K * kChainColumns; e += kChainThreads) {  // consecutive threads, consecutive words
-      const int r = e / kChainColumns, c = e % kChainColumns;
-      prev[r][c] = s_prev ? s_prev[at(r, col0 + c)] : 0.f;
+  auto exact_at = [&](int32_t j) { return first + j < a.num_segments && a.exact[(first + j) * Hv + hv]; };
+  auto next_exact = [&](int32_t j) {
+    while (j < n && !exact_at(j)) ++j;
+    return j;
+  };
+  // M (k, m) lies where a state's (k, v = m) does; consecutive threads take consecutive words.
+  auto fill = [&](int32_t j, int buf) {
+    const float* m = a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K;
+    float* dst = m_buf + buf * K * kRow;
+    for (int e = threadIdx.x; e < K * K; e += kChainThreads) {
+      const int r = VFirst ? e % K : e / K, c = VFirst ? e / K : e % K;
+      cp_async_4(dst + r * kRow + c, m + e);
     }
-    __syncthreads();
-    const float* m = a.m_end + row * int64_t(K) * K;
+    cp_async_commit();
+  };
+  int32_t j = next_exact(1);
+  if (j >= n) return;
+  fill(j, 0);
+  int buf = 0;
+  int32_t last = -1;  // the boundary whose result `prev` holds
+  while (j < n) {
+    const int64_t row = (first + j) * Hv + hv;
+    const int32_t following = next_exact(j + 1);
+    if (following < n) {
+      fill(following, buf ^ 1);  // its buffer was last read before the previous step's closing barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    if (last != j - 1) {  // segment j - 1 starts from h0, a warm-up state or zeros: read it
+      const float* s_prev = a.jobs_fwd[row - Hv].h0;
+      for (int e = threadIdx.x; e < K * Columns; e += kChainThreads) {
+        const int r = e / Columns, c = e % Columns;
+        prev[e] = s_prev ? s_prev[at(r, col0 + c)] : 0.f;
+      }
+    }
     const float* h = a.h_end + row * kState;
-    float acc[kChainColumns];
-    for (int c = 0; c < kChainColumns; ++c) acc[c] = h[at(kk, col0 + c)];
+    float acc[kHalf];
+    for (int c = 0; c < kHalf; ++c) acc[c] = h[at(kk, col0 + c0 + c)];
+    __syncthreads();  // M and prev are in shared memory
+    const float* m_row = m_buf + buf * K * kRow + kk * kRow;
+#pragma unroll 8
     for (int mm = 0; mm < K; ++mm) {
-      const float w = m[at(kk, mm)];  // M (kk, mm): M is stored like a state with V = K
-      const float4* p4 = reinterpret_cast<const float4*>(prev[mm]);  // the same row for every thread
-      for (int q = 0; q < kChainColumns / 4; ++q) {
+      const float w = m_row[mm];
+      const float4* p4 = reinterpret_cast<const float4*>(prev + mm * Columns + c0);  // a broadcast per warp
+#pragma unroll
+      for (int q = 0; q < kHalf / 4; ++q) {
         const float4 x = p4[q];
         acc[4 * q] = fmaf(w, x.x, acc[4 * q]);
         acc[4 * q + 1] = fmaf(w, x.y, acc[4 * q + 1]);
@@ -231,7 +284,14 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
       }
     }
     float* out = a.boundary + row * kState;
-    for (int c = 0; c < kChainColumns; ++c) out[at(kk, col0 + c)] = acc[c];
+    for (int c = 0; c < kHalf; ++c) out[at(kk, col0 + c0 + c)] = acc[c];
+    __syncthreads();  // every read of prev and of this M buffer is done
+    if (following == j + 1) {  // the next step starts from this result (otherwise it reads its own)
+      for (int c = 0; c < kHalf; ++c) prev[kk * Columns + c0 + c] = acc[c];
+    }
+    last = j;
+    j = following;
+    buf ^= 1;
   }
 }
 

@@ -67,7 +67,7 @@ struct Workspace {
 // After the prep: plan the segments and jobs, the state pass, the exact chain, the forward pass.
 template <class Cfg>
 cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* base, FwdParams<Cfg> fp,
-                              cudaStream_t stream) {
+                              int sm_count, cudaStream_t stream) {
   static_assert(Cfg::HeadK == Cfg::HeadV, "a transition job (S = I) needs K = V");
   const int64_t S = ws.segments;
   CpPlanArgs pa{a.cu_seqlens,
@@ -106,8 +106,17 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
   const dim3 tiles_heads(Cfg::HeadV / Cfg::BlockV, Cfg::Hv);
   gdn_fwd_kernel<Cfg, true><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(3 * S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst>
-      <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / kChainColumns), kChainThreads, 0, stream>>>(pa);
+  // Narrow column slices put more SMs on the chain while they fit in one wave (the results are
+  // the same bit for bit).
+  if (a.num_seqs * Cfg::Hv * (Cfg::HeadV / 8) <= sm_count) {
+    cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 8>
+        <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 8), kChainThreads, chain_smem_bytes<Cfg::HeadK, 8>(),
+           stream>>>(pa);
+  } else {
+    cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 16>
+        <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 16), kChainThreads, chain_smem_bytes<Cfg::HeadK, 16>(),
+           stream>>>(pa);
+  }
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
   fp.jobs = pa.jobs_fwd;
   gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
@@ -145,6 +154,12 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       e = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
     if (e == cudaSuccess)  // the context-parallel state pass
       e = cudaFuncSetAttribute(gdn_fwd_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
+    if (e == cudaSuccess)  // the exact chain's two column widths
+      e = cudaFuncSetAttribute(cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 8>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, chain_smem_bytes<Cfg::HeadK, 8>());
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 16>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, chain_smem_bytes<Cfg::HeadK, 16>());
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
     setup.error = e;
@@ -227,7 +242,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       slots,
       a.scale,
   };
-  if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, stream);
+  if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, sm_count, stream);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;

@@ -6,15 +6,21 @@ chunks. Cutting the sequence into S segments of L chunks runs more CTAs at once:
   L chunks (L + n_h chunk-steps, all segments in parallel);
 - an exact head (n_h = -1) chains exactly: a state-only pass per segment gives its zero-state end
   state H and its transition M (2 L), a chain walks the boundaries (S_{s+1} = M_s S_s + H_s, one
-  GEMM each), then the forward runs each segment from its chained state (L).
-The model, in chunk-steps (the time one chain needs per chunk):
+  128^3 fp32 product each), then the forward runs each segment from its chained state (L).
+The model, in chunk-steps (the time one chain needs per chunk, about 1.45 us on the H200):
 
     depth      = the longest dependent path: L + n_max (warm-up); L + S chain steps + L (exact)
     work       = sum over CTAs of (chunk-steps walked + start cost)
-    makespan  ~= max(depth, work / resident CTA slots)
+    makespan  ~= max(depth, work / resident CTA slots) + fixed CP cost + the prep
+The prep (the per-chunk WY solve) runs beside the chains without CP when the chains leave SMs
+free; with CP the state pass needs all of it first, so CP pays it in full.
 
-For each sequence-length bucket (a power of two in chunks), the plan keeps the L that minimises
-the makespan if it beats no segmentation by `min_gain`, else 0 (no CP). L is always longer than
+Batch invariance (DESIGN.md) forbids looking at the rest of the batch, yet a split that fills an
+idle GPU for a lone sequence multiplies the work (3x for exact heads) when other sequences
+already fill it. The choice therefore minimises the lone makespan times work_inflation **
+`batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/kernel-notes.md,
+CP v2). For each sequence-length bucket (a power of two in chunks) the plan keeps the L that
+minimises it if it beats no segmentation by `min_gain`, else 0 (no CP). L is always longer than
 the longest window it warms up over (DESIGN.md, "Calibration contract"). The tuner refines the
 table on the GPU; this is the documented default.
 """
@@ -80,60 +86,90 @@ class WarmupProfile:
 
 @dataclass(frozen=True)
 class Machine:
+    """The H200's costs in chunk-steps, fitted to scripts/cp_profile.py's measurements."""
     sms: int = 132               # H200
     ctas_per_sm: int = 1         # resident sequential-kernel CTAs per SM (the plan's ctas_per_sm)
     cta_start: float = 2.0       # chunk-steps a CTA spends before its first chunk (state load, pipeline fill)
-    chain_step: float = 0.5      # chunk-steps per boundary of the exact chain (a 128^3 GEMM, fp32 states)
+    chain_step: float = 4.0      # chunk-steps per boundary of the exact chain (a 128^3 fp32 product, ~6 us)
+    cp_fixed: float = 8.0        # the planning kernels, the chain's first fill, three more launches
+    state_step: float = 0.75     # a state-only chunk-step (H, M, windows: no output GEMMs) per forward one
+    prep_item: float = 7.5       # chunk-steps one SM spends on a (chunk, q/k head) prep item
+    batch_weight: float = 0.35   # exponent of the work inflation in the objective (see the module doc)
+    min_segment: int = 32        # chunks: shorter segments lost to one chain in batches (4 x 8192 tokens)
 
     def __post_init__(self):
-        if self.sms < 1 or self.ctas_per_sm < 1 or self.cta_start < 0 or self.chain_step < 0:
-            raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm} must be >= 1 and "
-                              f"cta_start={self.cta_start}, chain_step={self.chain_step} >= 0")
+        if self.sms < 1 or self.ctas_per_sm < 1 or self.min_segment < 1 or min(self.cta_start, self.chain_step, self.cp_fixed,
+                                                       self.state_step, self.prep_item, self.batch_weight) < 0:
+            raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm}, min_segment={self.min_segment} "
+                              f"must be >= 1 and "
+                              f"cta_start={self.cta_start}, chain_step={self.chain_step}, cp_fixed={self.cp_fixed}, "
+                              f"state_step={self.state_step}, prep_item={self.prep_item}, batch_weight={self.batch_weight} >= 0")
 
 
-def makespan(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine) -> float:
-    """Modelled chunk-steps for one sequence of `chunks` chunks over `chains` (v-tile, v-head)
-    chains; segment 0 (or >= chunks) means no CP."""
-    slots = machine.sms * machine.ctas_per_sm
+def _work(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine) -> float:
+    """Chunk-steps summed over every CTA (the prep and fixed costs aside)."""
+    start = machine.cta_start
     if segment <= 0 or segment >= chunks:
-        depth = chunks + machine.cta_start
-        return max(depth, chains * depth / slots)
+        return chains * (chunks + start)
     segments = math.ceil(chunks / segment)
     warm_chains = chains * (1.0 - profile.exact_share)
     exact_chains = chains * profile.exact_share
-    start = machine.cta_start
-    work = (warm_chains * segments * (segment + profile.mean_window + start)
-            + exact_chains * segments * (3 * segment + 3 * start)
-            + exact_chains * segments * machine.chain_step)
-    depth = segment + profile.max_window + start
-    if exact_chains > 0:
-        depth = max(depth, 2 * (segment + start) + segments * machine.chain_step)
-    return max(depth, work / slots)
+    state = machine.state_step
+    return (warm_chains * segments * (segment + start + state * (profile.mean_window + start))
+            + exact_chains * segments * ((1 + 2 * state) * (segment + start) + machine.chain_step))
+
+
+def makespan(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine,
+             qk_heads: int = 1) -> float:
+    """Modelled chunk-steps for one sequence of `chunks` chunks over `chains` (v-tile, v-head)
+    chains and `qk_heads` q/k heads (the prep's items); segment 0 (or >= chunks) means no CP."""
+    slots = machine.sms * machine.ctas_per_sm
+    prep = machine.prep_item * chunks * qk_heads / machine.sms
+    work = _work(chunks, segment, chains, profile, machine)
+    if segment <= 0 or segment >= chunks:
+        # csrc/gdn_fwd_host.cuh runs the prep beside the chains when 12 SMs per q/k head are free
+        hidden = machine.sms - math.ceil(chains / machine.ctas_per_sm) >= 12 * qk_heads
+        return max(chunks + machine.cta_start, work / slots) + (0.0 if hidden else prep)
+    segments = math.ceil(chunks / segment)
+    start, state = machine.cta_start, machine.state_step
+    depth = segment + start + state * (profile.max_window + start)
+    if profile.exact_share > 0:
+        depth = max(depth, (1 + state) * (segment + start) + segments * machine.chain_step)
+    return max(depth, work / slots) + machine.cp_fixed + prep
+
+
+def objective(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine,
+              qk_heads: int = 1) -> float:
+    """What the segment length minimises: the lone makespan, hedged by the work inflation."""
+    inflation = (_work(chunks, segment, chains, profile, machine)
+                 / _work(chunks, 0, chains, profile, machine))
+    return makespan(chunks, segment, chains, profile, machine, qk_heads) * inflation ** machine.batch_weight
 
 
 def segment_length(chunks: int, chains: int, profile: WarmupProfile, machine: Machine,
-                   min_gain: float = 1.1) -> int:
+                   min_gain: float = 1.1, qk_heads: int = 1) -> int:
     """The segment length (chunks) for one sequence length, or 0 when CP does not pay."""
-    if chains < 1 or chunks < 0:
-        raise CPPlanError(f"chains={chains} must be >= 1 and chunks={chunks} >= 0")
-    base = makespan(chunks, 0, chains, profile, machine)
-    best, best_time = 0, base
+    if chains < 1 or chunks < 0 or qk_heads < 1:
+        raise CPPlanError(f"chains={chains} and qk_heads={qk_heads} must be >= 1 and chunks={chunks} >= 0")
+    base = objective(chunks, 0, chains, profile, machine, qk_heads)
+    best, best_cost = 0, base
     length = 1
     while length < chunks:
-        if length > profile.max_window:
-            t = makespan(chunks, length, chains, profile, machine)
-            if t < best_time:
-                best, best_time = length, t
+        if length > profile.max_window and length >= machine.min_segment:
+            cost = objective(chunks, length, chains, profile, machine, qk_heads)
+            if cost < best_cost:
+                best, best_cost = length, cost
         length *= 2
-    return best if best and base >= min_gain * best_time else 0
+    return best if best and base >= min_gain * best_cost else 0
 
 
 def segment_table(chains: int, profile: WarmupProfile, machine: Machine, max_log2_chunks: int = 14,
-                  min_gain: float = 1.1) -> dict[int, int]:
+                  min_gain: float = 1.1, qk_heads: int = 1) -> dict[int, int]:
     """{bucket: segment length}: a sequence of c chunks uses the entry of the power of two at or
     above c. 2^14 chunks is 1M tokens; longer sequences use the last bucket's length."""
-    return {2 ** b: segment_length(2 ** b, chains, profile, machine, min_gain) for b in range(max_log2_chunks + 1)}
+    return {2 ** b: segment_length(2 ** b, chains, profile, machine, min_gain, qk_heads)
+            for b in range(max_log2_chunks + 1)}
 
 
-__all__ = ["CPPlanError", "Machine", "SEGMENT_BUCKETS", "WarmupProfile", "check_segment_table", "makespan",
+__all__ = ["CPPlanError", "Machine", "SEGMENT_BUCKETS", "WarmupProfile", "check_segment_table", "makespan", "objective",
            "segment_length", "segment_table"]

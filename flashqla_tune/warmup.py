@@ -78,7 +78,8 @@ def profile_segment_lengths(profile: WarmupProfile, plan: KernelPlan, sms: int) 
     """The same from a pooled profile (a pack's: every layer and head of its calibration)."""
     t = plan.tiles
     chains = plan.spec.num_v_heads * (plan.spec.head_v_dim // t.block_v)
-    table = segment_table(chains, profile, Machine(sms=sms, ctas_per_sm=t.ctas_per_sm))
+    table = segment_table(chains, profile, Machine(sms=sms, ctas_per_sm=t.ctas_per_sm),
+                          qk_heads=plan.spec.num_qk_heads)
     buckets = sorted(table)
     top = int(math.log2(buckets[-1]))
     return [table[2 ** min(b, top)] for b in range(SEGMENT_BUCKETS)]
@@ -163,14 +164,13 @@ class SegmentBound:
 
     def __call__(self, total_tokens: int, num_seqs: int) -> int:
         chunks = total_tokens // 64 + num_seqs
+        longest = -(-total_tokens // 64)                 # no sequence has more chunks than this
         last = len(self.lengths) - 1
-        full = min(chunks.bit_length() - 1, last - 1)   # buckets 0..full lie wholly at or below C
-        per_seq, shortest = self.top_extra[full], self.top_shortest[full]
-        part = full + 1                                  # the bucket C falls into, if C is above 2^full
-        highest = chunks if part == last else min(2 ** part, chunks)
+        part = min(max(longest - 1, 0).bit_length(), last)  # the bucket of the longest possible sequence
+        per_seq, shortest = (self.top_extra[part - 1], self.top_shortest[part - 1]) if part > 0 else (0, 0)
         length = self.lengths[part]
-        if highest > 2 ** full and 0 < length < highest:
-            per_seq = max(per_seq, -(-highest // length) - 1)
+        if 0 < length < longest:                         # inside a bucket the extra grows with c
+            per_seq = max(per_seq, -(-longest // length) - 1)
             shortest = length if shortest == 0 else min(shortest, length)
         extra = min(num_seqs * per_seq, chunks // shortest) if per_seq else 0
         return num_seqs + extra
@@ -185,6 +185,8 @@ def call_segments(tables: WarmupTables, total_tokens: int, num_seqs: int, bytes_
     if not tables.splits:
         return 0
     segments = tables.bound(total_tokens, num_seqs)
+    if segments == num_seqs:
+        return 0  # no sequence of this call is long enough to split: skip the CP kernels
     if segments > MAX_SEGMENTS or segments * bytes_per_segment > CP_SCRATCH_LIMIT_BYTES:
         warnings.warn(f"context parallelism is off for a call of {num_seqs} sequences over {total_tokens} tokens: "
                       f"up to {segments} segments would need {segments * bytes_per_segment / 2**30:.1f} GiB of "

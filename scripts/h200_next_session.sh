@@ -8,8 +8,7 @@
 #                                                 2/8 and 4/16 scoreboard rows that fit
 #   bash scripts/h200_next_session.sh scoreboard [--heads H/V ...]   scoreboard rows that fit one
 #                                                 call: ours, FLA, FlashQLA (no PyTorch baseline)
-#   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests (and scripts/diag_cp.py
-#                                                 when one fails)
+#   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests and scripts/cp_profile.py
 #   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
 #                                                 warm-up and with exact CP chaining beside FLA and
 #                                                 FlashQLA (default 2/8)
@@ -55,10 +54,13 @@ case "${1:-tests}" in
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8 --heads 4/16 --heads 16/64)
     same_run_scoreboard 560 470 "${heads[@]}" ;;
   cp)
-    timeout 120 python3 scripts/diag_cp.py "$OUT" 2>&1 | tail -n 20
-    timeout 420 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider -k context_parallel \
-      > "$OUT/gpu_tests_cp.log" 2>&1
-    grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 30 ;;
+    # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split);
+    # scripts/diag_cp.py localises a failure by path (windows / exact / guard) when one appears
+    timeout 330 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+      -k "context_parallel or forced_short" > "$OUT/gpu_tests_cp.log" 2>&1
+    grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 40
+    timeout 240 python3 -P scripts/cp_profile.py "$OUT" > "$OUT/cp_profile.log" 2>&1
+    tail -c 600 "$OUT/cp_profile.log" ;;
   cp-bench)
     heads=("${@:2}")
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8)

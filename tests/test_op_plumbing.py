@@ -174,7 +174,7 @@ def test_a_registered_segment_table_overrides_the_cost_model(recorded, monkeypat
     args = lib.calls[-1][0]
     tables = warmup_tables.tables_for(tuple(table), plan, q.device, warmup_tables.DEFAULT_EPS, override)
     assert tables.lengths == override and args.segment_chunks == tables.segment_chunks.data_ptr()
-    # the bound for one sequence of at most 129 chunks (T / 64 + N) in segments of 32: 5
-    assert args.max_segments == warmup_tables.max_segments(override, T, 1) == 5
+    # the bound for one sequence of at most ceil(T / 64) = 128 chunks in segments of 32: 4
+    assert args.max_segments == warmup_tables.max_segments(override, T, 1) == 4
     with pytest.raises(ValueError, match="a segment table has 32 non-negative ints"):
         runtime.register_library(plan, lib, "bad", (1, 2))

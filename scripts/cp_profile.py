@@ -1,0 +1,94 @@
+"""Context parallelism on the H200: graph-replay time of our forward per forced segment length
+(every bucket of the segment table = L) for exact chaining (warmup all -1) and the protocol's
+calibrated warm-up, beside no CP and the cost model's own table; plus the per-kernel split of
+the cost model's choice (torch.profiler, serialised). The data the CP cost model is fitted to
+(flashqla_tune/cp_plan.py, docs/kernel-notes.md).
+
+    python -P scripts/cp_profile.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashqla_tune import runtime, warmup as warmup_tables
+from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
+from flashqla_tune.bench.timing import CudaTimer
+from flashqla_tune.cp_plan import SEGMENT_BUCKETS
+from flashqla_tune.plan import default_plan
+from flashqla_tune.spec import GDNSpec
+
+ROWS = [Case(2, 8, (32768,)), Case(2, 8, (8192,)), Case(2, 8, (2048,)), Case(2, 8, (1024,) * 8),
+        Case(2, 8, (8192,) * 4), Case(4, 16, (32768,)), Case(16, 16, (32768,))]
+LENGTHS = (8, 16, 32, 64, 128)
+REPEATS = 5
+
+
+def call_of(plan, warmup, lengths):
+    def call(x):
+        return runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, x.initial_state, x.scale,
+                               True, False, warmup=warmup, segment_lengths=lengths)
+    return call
+
+
+def kernel_ms(call, x) -> dict:
+    with torch.no_grad():
+        call(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(REPEATS):
+                call(x)
+            torch.cuda.synchronize()
+    per_kernel = defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[evt.name[:48]] += evt.device_time_total / 1e3 / REPEATS
+    return {k: round(v, 4) for k, v in per_kernel.items()}
+
+
+def row(case: Case, timer: CudaTimer) -> dict:
+    plan = default_plan(GDNSpec(case.num_qk_heads, case.num_v_heads))
+    sets = make_rotation(case, 2, "cuda")
+    hv = case.num_v_heads
+    tables = {"exact": (-1,) * hv, "warm": protocol_warmup_table(hv)}
+    longest = max(case.seqlens) // 64
+    variants = [("none", None, None)]
+    for kind, table in tables.items():
+        variants.append((f"{kind}@model", table, None))
+        variants += [(f"{kind}@L{length}", table, (length,) * SEGMENT_BUCKETS) for length in LENGTHS if length < longest]
+    graph_ms = {}
+    with torch.no_grad():
+        for label, table, lengths in variants:
+            call = call_of(plan, table, lengths)
+            timer.warmup(call, sets, rounds=1)
+            t = timer.graph(call, sets)
+            graph_ms[label] = round(t.median_ms, 4) if t.error is None else t.error
+    model = {kind: warmup_tables.segment_lengths(table, plan, warmup_tables.sm_count(sets[0].q.device))
+             for kind, table in tables.items()}
+    kernels = {kind: kernel_ms(call_of(plan, table, None), sets[0]) for kind, table in tables.items()}
+    return {"heads": case.heads, "seqlens": case.seqlens_label, "warm_table": tables["warm"],
+            "model_lengths": {k: v[:16] for k, v in model.items()}, "graph_ms": graph_ms, "model_kernels_ms": kernels}
+
+
+def main(out_dir: str) -> int:
+    timer = CudaTimer(budget_s=0.1)
+    plans = {default_plan(GDNSpec(c.num_qk_heads, c.num_v_heads)) for c in ROWS}
+    with ThreadPoolExecutor(len(plans)) as pool:  # nvcc runs in subprocesses: build every plan at once
+        list(pool.map(runtime.library, plans))
+    rows = []
+    for case in ROWS:
+        rows.append(row(case, timer))
+        print(json.dumps(rows[-1]), flush=True)
+        with open(f"{out_dir}/cp_profile.json", "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
