@@ -145,11 +145,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     run in parallel (context parallelism); a segment of a warm-up head starts from the state of its
     window run from zero, which is used only where the input's gates decay below warmup_eps over
     the window (and 0 <= beta ||k||^2 <= 2); everywhere else the state is chained exactly. Without
-    it (the default), every sequence is one exact chain.
+    it, every head gets the default window (warmup.DEFAULT_WINDOW_CHUNKS), still guarded; all -1
+    is exact chaining. Whether and where a sequence is cut depends only on its own length (the
+    cost model's table), so short sequences and many-head calls run as one chain each.
 
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten."""
     Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
-    table = None if warmup is None else list(warmup_tables.normalise(warmup, Hv))
+    table = list(warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv))
     return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                        state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps)
 

@@ -20,6 +20,10 @@ from .cp_plan import SEGMENT_BUCKETS, Machine, WarmupProfile, check_segment_tabl
 from .plan import KernelPlan
 
 MAX_WINDOW_CHUNKS = 1024    # a window is a warm-up over n_h chunks; calibration caps n_h at 16
+# The op's window when the caller gives no table (DESIGN.md): 512 tokens. The guard still decides
+# per boundary and input, so a head whose gates do not decay that fast is chained exactly; the
+# protocol's gates (logsigmoid(randn) / 16) need 4-5 chunks, so 8 covers them with room.
+DEFAULT_WINDOW_CHUNKS = 8
 MAX_SEGMENTS = 65535 // 3   # csrc/gdn_cp.cuh kMaxSegments: the state pass has 3 grid z-slices per segment
 CP_SCRATCH_LIMIT_BYTES = 2 << 30  # fp32 boundary, H and M states of a call; above it the call runs without CP
 
@@ -40,6 +44,11 @@ class WarmupTables:
     def splits(self) -> bool:
         """False when no sequence length is worth splitting: calls then run without CP."""
         return any(self.lengths)
+
+
+def default_table(num_v_heads: int) -> tuple[int, ...]:
+    """The warm-up table of a call without one: every head DEFAULT_WINDOW_CHUNKS, guarded."""
+    return (DEFAULT_WINDOW_CHUNKS,) * num_v_heads
 
 
 def normalise(warmup, num_v_heads: int) -> tuple[int, ...]:
@@ -70,8 +79,15 @@ def normalise(warmup, num_v_heads: int) -> tuple[int, ...]:
 
 def segment_lengths(values: tuple[int, ...], plan: KernelPlan, sms: int) -> list[int]:
     """The kernel's segment table: entry b is the segment length (chunks) for sequences of at most
-    2^b chunks, from the CP cost model for this plan's chains on `sms` SMs and this warm-up table."""
-    return profile_segment_lengths(WarmupProfile.from_tables([list(values)]), plan, sms)
+    2^b chunks, from the CP cost model for this plan's chains on `sms` SMs and this warm-up table.
+    The default table is planned as if a quarter of its heads failed the guard (the protocol's
+    share of non-decaying heads): without a calibration the planner cannot know which will."""
+    if tuple(values) == default_table(len(values)):
+        profile = WarmupProfile(exact_share=0.25, mean_window=float(DEFAULT_WINDOW_CHUNKS),
+                                max_window=DEFAULT_WINDOW_CHUNKS)
+    else:
+        profile = WarmupProfile.from_tables([list(values)])
+    return profile_segment_lengths(profile, plan, sms)
 
 
 def profile_segment_lengths(profile: WarmupProfile, plan: KernelPlan, sms: int) -> list[int]:
@@ -200,6 +216,6 @@ def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> 
     return SegmentBound.of(tuple(lengths))(total_tokens, num_seqs)
 
 
-__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "MAX_SEGMENTS", "call_segments", "describe_splits",
+__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "DEFAULT_WINDOW_CHUNKS", "default_table", "MAX_SEGMENTS", "call_segments", "describe_splits",
            "profile_segment_lengths", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
            "sm_count", "tables_for"]

@@ -64,7 +64,7 @@ case "${1:-tests}" in
   cp-bench)
     heads=("${@:2}")
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8)
-    timeout 560 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl flashqla_tune_warmup \
+    timeout 560 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl flashqla_tune_single_chain --impl flashqla_tune_warmup \
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;

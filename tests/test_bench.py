@@ -233,8 +233,9 @@ def test_calibrated_warmup_column_uses_the_protocols_calibration():
         assert len(table) == hv
         assert all((n == -1) == (h in zero) for h, n in enumerate(table))
         assert all(1 <= n <= 16 for n in table if n != -1)
-    impls, skipped = load_impls(["flashqla_tune_warmup", "flashqla_tune_exact_cp"])
-    assert [i.name for i in impls] == ["flashqla_tune_warmup", "flashqla_tune_exact_cp"] and not skipped
+    names = ["flashqla_tune", "flashqla_tune_single_chain", "flashqla_tune_warmup", "flashqla_tune_exact_cp"]
+    impls, skipped = load_impls(names)
+    assert [i.name for i in impls] == names and not skipped
 
 
 def test_prewarm_builds_our_plans_for_every_head_configuration(monkeypatch):

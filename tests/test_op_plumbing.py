@@ -148,10 +148,20 @@ def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeyp
     assert args.warmup == tables.warmup.data_ptr() and args.segment_chunks == tables.segment_chunks.data_ptr()
     assert args.max_segments == warmup_tables.max_segments(tables.lengths, T, 1) > 1
     assert args.log_eps == pytest.approx(math.log(1e-4))
-    # without a table: no context parallelism
+    # without a table: the default window on every head, guarded like any other
     ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]))
     args = lib.calls[-1][0]
+    default = warmup_tables.tables_for(warmup_tables.default_table(8), plan, q.device, warmup_tables.DEFAULT_EPS)
+    assert args.warmup == default.warmup.data_ptr() and default.warmup.tolist() == [8] * 8
+    assert args.max_segments == warmup_tables.max_segments(default.lengths, T, 1) > 1
+    # a call whose sequences are all too short to split runs no CP kernel at all
+    ops.chunk_gated_delta_rule(q[:, :2048], q[:, :2048], v[:, :2048], g[:, :2048], g[:, :2048], state_v_first=True,
+                               cu_seqlens=torch.tensor([0, 1024, 2048]))
+    args = lib.calls[-1][0]
     assert args.warmup is None and args.segment_chunks is None and args.max_segments == 0
+    # the single chain (the benchmark's no-CP column): run_checked without a table
+    ops.run_checked(q, q, v, g, g, None, None, False, False, True, torch.tensor([0, T]), plan_name="")
+    assert lib.calls[-1][0].warmup is None and lib.calls[-1][0].max_segments == 0
     with pytest.raises(warmup_tables.WarmupError, match="warmup has 2 entries; the call has Hv=8"):
         ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]), warmup=[1, 1])
 

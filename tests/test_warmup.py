@@ -106,3 +106,17 @@ def test_describe_splits_names_segments_per_length():
     lengths = tuple(W.segment_lengths((1,) * 8, PLAN_2_8, 132))
     text = W.describe_splits(lengths, token_lengths=(64, 32768))
     assert text == f"64 tokens: one chain; 32768 tokens: {512 // lengths[9]} x {lengths[9]} chunks"
+
+
+def test_the_default_window_is_planned_for_heads_that_fail_its_guard():
+    """A call without a table gets DEFAULT_WINDOW_CHUNKS on every head, planned as if a quarter of
+    them chain exactly: few-head long rows split, 16/32 (64 chains already) does not."""
+    assert W.default_table(8) == (W.DEFAULT_WINDOW_CHUNKS,) * 8
+    few = W.segment_lengths(W.default_table(8), PLAN_2_8, 132)
+    assert "32768 tokens: one chain" not in W.describe_splits(tuple(few))
+    assert "2048 tokens: one chain" in W.describe_splits(tuple(few))
+    assert all(L == 0 or L > W.DEFAULT_WINDOW_CHUNKS for L in few)
+    many = W.segment_lengths(W.default_table(32), default_plan(GDNSpec(16, 32)), 132)
+    assert W.describe_splits(tuple(many), (2048, 8192, 32768)).count("one chain") == 3
+    # an explicit calibrated table of the same heads is planned from its own values
+    assert W.segment_lengths((8,) * 7 + (9,), PLAN_2_8, 132) != few

@@ -65,7 +65,21 @@ def _ours():
 
 def _load_flashqla_tune():
     fn, version = _ours()
-    return Impl("flashqla_tune", fn, torch.int32, version, "our op, default plan, one exact chain per sequence")
+    return Impl("flashqla_tune", fn, torch.int32, version,
+                "our op, default plan, default guarded warm-up window (context parallel where the cost model splits)")
+
+
+def _load_flashqla_tune_single_chain():
+    from flashqla_tune import ops
+    _, version = _ours()
+
+    def fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+           use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None):
+        ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
+        return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                               state_v_first, cu_seqlens, plan_name="", warmup=None)
+    return Impl("flashqla_tune_single_chain", fn, torch.int32, version,
+                "our kernels without context parallelism: one exact chain per sequence")
 
 
 def _with_warmup(name: str, table_of: Callable[[int], tuple[int, ...]], note: str) -> Impl:
@@ -93,6 +107,7 @@ LOADERS: dict[str, Callable[[], Impl]] = {
     "flashqla": _load_flashqla,
     "torch": _load_torch,
     "flashqla_tune": _load_flashqla_tune,
+    "flashqla_tune_single_chain": _load_flashqla_tune_single_chain,
     "flashqla_tune_warmup": _load_flashqla_tune_warmup,
     "flashqla_tune_exact_cp": _load_flashqla_tune_exact_cp,
 }

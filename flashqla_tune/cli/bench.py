@@ -10,8 +10,9 @@ def add_parser(sub):
                        description=" ".join(__doc__.split()))
     p.add_argument("--impl", action="append", metavar="NAME",
                    help="implementation to time (repeatable; default: every one that imports): fla, "
-                        "flashqla, torch, flashqla_tune (exact chains), flashqla_tune_warmup (context parallel, "
-                        "calibrated warm-up), flashqla_tune_exact_cp (context parallel, warmup all -1)")
+                        "flashqla, torch, flashqla_tune (the op's default: guarded default window), "
+                        "flashqla_tune_single_chain (no context parallelism), flashqla_tune_warmup (context "
+                        "parallel, calibrated warm-up), flashqla_tune_exact_cp (context parallel, warmup all -1)")
     p.add_argument("--heads", action="append", metavar="HQK/HV", help="head configuration (repeatable), e.g. 16/64")
     p.add_argument("--seqlens", action="append", metavar="MIX", help="length mix (repeatable), e.g. 1x32768, 28672+4096")
     p.add_argument("--quick", action="store_true", help="a quick subset: 2/8 and 16/64 on 1x2048, 1x32768, 1024+7168")
