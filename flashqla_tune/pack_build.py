@@ -163,13 +163,21 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         entries = {e.plan: e for e in cache.get_kernels(list(dict.fromkeys(plans.values())), jobs=jobs)}
         (staging / BINARIES).mkdir()
         pack_plans = []
+        segment_tables: dict[KernelPlan, tuple[int, ...]] = {}
         for h, plan in plans.items():
             rel = f"{BINARIES}/{plan.name}.so"
             dest = staging / rel
             if not dest.exists():
                 shutil.copyfile(entries[plan].so_path, dest)
+            if plan not in segment_tables:
+                segment_tables[plan] = cp_segment_table(cal, plan, gpu)
+                if gpu is not None:  # measured refinement of the cost model's table
+                    t = time.perf_counter()
+                    segment_tables[plan], record = tune_segments(cal, plan, segment_tables[plan], log)
+                    tuning[plan] = {**(tuning.get(plan) or {}), "segments": record}
+                    seconds["tune_segments"] = seconds.get("tune_segments", 0.0) + time.perf_counter() - t
             pack_plans.append(PackPlan(h.tp_size, h.form, plan, rel, sha256_file(dest), tuning.get(plan),
-                                       cp_segment_table(cal, plan, gpu)))
+                                       segment_tables[plan]))
         gpu_record = ({"name": gpu.name, "arch": gpu.arch, "driver": gpu.driver, "sm_count": gpu.sm_count}
                       if gpu is not None else {"target": UNTUNED_TARGET, "name": None, "arch": "sm_90a"})
         manifest = Manifest(spec=model.spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
@@ -196,6 +204,22 @@ def cp_segment_table(cal, plan: KernelPlan, gpu) -> tuple[int, ...]:
 
     sms = gpu.sm_count if gpu is not None else 132
     return tuple(profile_segment_lengths(WarmupProfile.from_calibration(cal), plan, sms))
+
+
+def tune_segments(cal, plan: KernelPlan, model_lengths: tuple[int, ...], log, time_fn=None):
+    """The segment-length stage (flashqla_tune/tune/segments.py) for one plan, timed with the
+    model-wide warm-up table of the plan's first v-heads (rank 0 of its tensor-parallel degree)
+    and the calibration's eps; time_fn defaults to the GPU's. Returns (table, manifest record)."""
+    from .tune.segments import gpu_time_fn, tune_segment_table
+    from .warmup import describe_splits
+
+    warmup = tuple(cal.model_table()[:plan.spec.num_v_heads])
+    eps = float(cal.settings.eps)
+    time_fn = time_fn or gpu_time_fn(plan, warmup, eps)
+    max_window = max([n for n in warmup if n > 0], default=0)
+    result = tune_segment_table(model_lengths, max_window, time_fn)
+    log(f"segments {plan.name}: {describe_splits(result.lengths)} (cost model: {describe_splits(result.model_lengths)})")
+    return result.lengths, result.record()
 
 
 def _tune(plans: dict, gpu, budget_s, jobs, progress, log):

@@ -54,8 +54,12 @@ def print_context_parallel(manifest) -> None:
     """The CP split each plan's segment table (stored in the pack) applies."""
     from ..warmup import describe_splits
 
-    where = f"{manifest.gpu['name']}'s {manifest.gpu['sm_count']} SMs" if manifest.tuned else "an H200's 132 SMs"
-    print(f"  context parallel (segment tables from the pooled calibration, for {where}):")
+    if manifest.tuned:
+        source = (f"the cost model on the pooled calibration for {manifest.gpu['name']}'s "
+                  f"{manifest.gpu['sm_count']} SMs, refined by timing it there")
+    else:
+        source = "the pooled calibration, for an H200's 132 SMs"
+    print(f"  context parallel (segment tables from {source}):")
     for p in manifest.plans:
         if p.segment_chunks is not None:
             print(f"    tp={p.tp_size} {p.form:<11} {describe_splits(p.segment_chunks)}")
