@@ -38,7 +38,7 @@ timeout "${TEST_TIMEOUT:-450}" python3 -m pytest -q -s -m gpu tests/test_gpu_pac
 echo "gpu tests rc=$?"; grep -E "passed|failed|error|load \+ first|prefill" "$OUT/gpu_tests.log" | tail -n 8
 exit 0
 fi
-timeout "$(( ${TUNE_BUDGET:-300} + 120 ))" python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
+timeout "$(( ${TUNE_BUDGET:-300} + 180 ))" python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
   build calibrate/data/default_model --out "$OUT/pack" --budget "${TUNE_BUDGET:-300}" --no-progress > "$OUT/build.log" 2>&1
 echo "build rc=$?"; tail -n 25 "$OUT/build.log"
 cp -r /tmp/fqt-cache/tuning "$OUT/tuning" 2>/dev/null
