@@ -128,7 +128,8 @@ def makespan(chunks: int, segment: int, chains: int, profile: WarmupProfile, mac
     work = _work(chunks, segment, chains, profile, machine)
     if segment <= 0 or segment >= chunks:
         # csrc/gdn_fwd_host.cuh runs the prep beside the chains when 12 SMs per q/k head are free
-        hidden = machine.sms - math.ceil(chains / machine.ctas_per_sm) >= 12 * qk_heads
+        # and the sequence has at least 4096 tokens
+        hidden = machine.sms - math.ceil(chains / machine.ctas_per_sm) >= 12 * qk_heads and chunks >= 64
         return max(chunks + machine.cta_start, work / slots) + (0.0 if hidden else prep)
     segments = math.ceil(chunks / segment)
     start, state = machine.cta_start, machine.state_step
@@ -141,8 +142,8 @@ def makespan(chunks: int, segment: int, chains: int, profile: WarmupProfile, mac
 def objective(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine,
               qk_heads: int = 1) -> float:
     """What the segment length minimises: the lone makespan, hedged by the work inflation."""
-    inflation = (_work(chunks, segment, chains, profile, machine)
-                 / _work(chunks, 0, chains, profile, machine))
+    single = _work(chunks, 0, chains, profile, machine)
+    inflation = _work(chunks, segment, chains, profile, machine) / single if single > 0 else 1.0
     return makespan(chunks, segment, chains, profile, machine, qk_heads) * inflation ** machine.batch_weight
 
 

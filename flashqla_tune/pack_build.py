@@ -209,14 +209,16 @@ def cp_segment_table(cal, plan: KernelPlan, gpu) -> tuple[int, ...]:
 def tune_segments(cal, plan: KernelPlan, model_lengths: tuple[int, ...], log, time_fn=None):
     """The segment-length stage (flashqla_tune/tune/segments.py) for one plan, timed with the
     model-wide warm-up table of the plan's first v-heads (rank 0 of its tensor-parallel degree)
-    and the calibration's eps; time_fn defaults to the GPU's. Returns (table, manifest record)."""
+    and the calibration's eps; time_fn defaults to the GPU's. Candidates stay longer than the
+    longest window of any layer and head, as the cost model's do. Returns (table, manifest record)."""
+    from .cp_plan import WarmupProfile
     from .tune.segments import gpu_time_fn, tune_segment_table
     from .warmup import describe_splits
 
     warmup = tuple(cal.model_table()[:plan.spec.num_v_heads])
     eps = float(cal.settings.eps)
     time_fn = time_fn or gpu_time_fn(plan, warmup, eps)
-    max_window = max([n for n in warmup if n > 0], default=0)
+    max_window = WarmupProfile.from_calibration(cal).max_window
     result = tune_segment_table(model_lengths, max_window, time_fn)
     log(f"segments {plan.name}: {describe_splits(result.lengths)} (cost model: {describe_splits(result.model_lengths)})")
     return result.lengths, result.record()

@@ -113,14 +113,28 @@ def describe_splits(lengths: tuple[int, ...], token_lengths: tuple[int, ...] = (
 
 
 def tables_for(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float,
-               lengths: tuple[int, ...] | None = None) -> WarmupTables:
+               lengths: tuple[int, ...] | None = None) -> WarmupTables | None:
     """The device tables of a checked warm-up table (normalise) for plan on device; cached.
-    lengths: a segment table to use instead of the cost model's for this table (a pack's)."""
+    lengths: a segment table to use instead of the cost model's for this table (a pack's).
+    Under CUDA-graph capture a table must already be cached: the default table's first call then
+    runs without CP (None, with a warning once); any other table is an error."""
     if not 0.0 < eps < 1.0:
         raise WarmupError(f"warmup_eps={eps} must lie in (0, 1)")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _tables(values, plan, device, float(eps), lengths)
+
+
+_DEFAULT_SKIPPED_WARNED = False
+
+
+def _warn_default_skipped() -> None:
+    global _DEFAULT_SKIPPED_WARNED
+    if not _DEFAULT_SKIPPED_WARNED:
+        _DEFAULT_SKIPPED_WARNED = True
+        warnings.warn("the op's first call is being captured in a CUDA graph: its default warm-up table is not on "
+                      "the GPU yet, so this captured call chains every sequence exactly (no context parallelism); "
+                      "make one eager call before capturing to get it", RuntimeWarning, stacklevel=4)
 
 
 def sm_count(device: torch.device) -> int:
@@ -134,10 +148,18 @@ _TABLES_LOCK = threading.Lock()
 
 
 def _tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps: float,
-            lengths: tuple[int, ...] | None) -> WarmupTables:
+            lengths: tuple[int, ...] | None) -> WarmupTables | None:
     key = (values, plan, device, eps, lengths)
     tables = _TABLES.get(key)
     if tables is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # copying a new table to the GPU is a synchronous copy, which stream capture forbids
+            if values == default_table(len(values)):
+                _warn_default_skipped()
+                return None
+            raise WarmupError(f"warm-up table {list(values)} is new on {device} while a CUDA graph is being "
+                              f"captured: its first call copies it to the GPU, so make one call with it before "
+                              f"the capture")
         with _TABLES_LOCK:
             tables = _TABLES.get(key)
             if tables is None:

@@ -92,23 +92,31 @@ def test_bad_tables_and_windows_name_the_value():
 
 
 def test_the_pack_stage_times_with_the_calibrations_model_table():
-    """pack_build.tune_segments: rank 0's slice of the model-wide table and the calibration's
-    largest window reach the stage; the record lands in the log line and the manifest."""
+    """pack_build.tune_segments: rank 0's slice of the model-wide table and the calibration's eps
+    reach the timer; candidates stay longer than the longest window of any layer and head (20
+    here, on a head outside rank 0's slice); the record lands in the log line and the manifest."""
     from types import SimpleNamespace
 
     from flashqla_tune.pack_build import tune_segments
     from flashqla_tune.plan import default_plan
     from flashqla_tune.spec import GDNSpec
 
-    cal = SimpleNamespace(model_table=lambda: [3, -1, 5, 2, 9, 9, 9, 9], settings=SimpleNamespace(eps=1e-5))
+    layers = [SimpleNamespace(warmup_table=[3, -1, 5, 2, 9, 9, 20, 9]),
+              SimpleNamespace(warmup_table=[2, -1, 4, 1, 1, 1, 1, 1])]
+    cal = SimpleNamespace(layers=layers, model_table=lambda: [3, -1, 5, 2, 9, 9, 20, 9],
+                          settings=SimpleNamespace(eps=1e-5))
     plan = default_plan(GDNSpec(1, 4))
-    seen, lines = [], []
+    lines = []
 
     def time_fn(seqlens, table):
-        seen.append(table)
         return 1.0 + 0.001 * table[bucket_of(seqlens[0])]
     lengths, record = tune_segments(cal, plan, (0,) * 7 + (32,) * 25, lines.append, time_fn=time_fn)
     assert lengths[bucket_of(8192)] == 0 and record["model_lengths"][bucket_of(8192)] == 32
-    # candidates exceed the largest window of the first 4 v-heads (5), not of all 8 (9)
-    assert "16" in record["timings_ms"]["2048"]
+    assert set(record["timings_ms"]["2048"]) == {"0"}            # 16 chunks do not outlast a 20-chunk window
+    assert set(record["timings_ms"]["8192"]) == {"0", "32", "64"}
     assert lines and lines[0].startswith(f"segments {plan.name}: ")
+
+
+def test_two_lengths_in_one_bucket_are_refused():
+    with pytest.raises(ValueError, match=r"tokens=\[8000, 8192\] put two lengths in one segment-table bucket"):
+        tune_segment_table((0,) * SEGMENT_BUCKETS, 0, lambda s, t: 1.0, tokens=(8192, 8000))

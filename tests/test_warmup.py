@@ -120,3 +120,16 @@ def test_the_default_window_is_planned_for_heads_that_fail_its_guard():
     assert W.describe_splits(tuple(many), (2048, 8192, 32768)).count("one chain") == 3
     # an explicit calibrated table of the same heads is planned from its own values
     assert W.segment_lengths((8,) * 7 + (9,), PLAN_2_8, 132) != few
+
+
+def test_a_new_table_under_graph_capture(monkeypatch):
+    """Copying a new table to the GPU cannot be captured: the default table's call then runs
+    without CP (warned once), any other table is an error that says what to do."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(W, "_DEFAULT_SKIPPED_WARNED", False)
+    cuda = torch.device("cuda", 0)
+    with pytest.warns(RuntimeWarning, match="make one eager call before capturing"):
+        assert W.tables_for(W.default_table(8), PLAN_2_8, cuda, 1e-5) is None
+    with pytest.raises(W.WarmupError, match=r"warm-up table \[3, 3, 3, 3, 3, 3, 3, -1\] is new on cuda:0 while a "
+                                            r"CUDA graph is being captured"):
+        W.tables_for((3,) * 7 + (-1,), PLAN_2_8, cuda, 1e-5)

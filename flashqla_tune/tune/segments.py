@@ -63,6 +63,10 @@ def tune_segment_table(model_lengths, max_window: int, time_fn: TimeFn,
     model = check_segment_table(tuple(model_lengths))
     if max_window < 0:
         raise ValueError(f"max_window={max_window} must be >= 0")
+    buckets = [bucket_of(t) for t in sorted(set(tokens))]
+    if len(set(buckets)) != len(buckets):
+        raise ValueError(f"tokens={sorted(set(tokens))} put two lengths in one segment-table bucket "
+                         f"(buckets {buckets}): one would overwrite the other's choice")
     lengths = list(model)
     timings: dict[int, dict[int, dict[str, float]]] = {}
     for t in sorted(set(tokens)):
