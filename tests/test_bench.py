@@ -4,6 +4,7 @@ H200 and is exercised there (scripts/h200_scoreboard.sh)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -257,3 +258,21 @@ def test_prewarm_builds_our_plans_for_every_head_configuration(monkeypatch):
     thread = _start_plan_build([(2, 8)])
     thread.join()
     assert thread.outcome == "build failed (RuntimeError: nvcc missing)"
+
+
+def test_summary_reads_the_targets_off_the_table():
+    """Geomean ratio, rows faster and the worst row of each of our columns against each anchor,
+    over the rows both timed (a row our column missed is left out, not counted as a win)."""
+    def row(heads, seqlens, times):
+        return {"heads": heads, "seqlens": seqlens,
+                "times": {name: {"graph": {"median_ms": t}} for name, t in times.items()}}
+    results = {"impls": {name: {"available": True} for name in ("flashqla_tune", "fla", "flashqla")},
+               "rows": [row("2/8", "1x32768", {"flashqla_tune": 0.5, "fla": 1.0, "flashqla": 0.4}),
+                        row("2/8", "1x8192", {"flashqla_tune": 0.2, "fla": 0.25, "flashqla": 0.2}),
+                        row("2/8", "1x2048", {"fla": 0.1, "flashqla": 0.08})]}
+    lines = report.summary_table(results, "graph")
+    fla = next(l for l in lines if "| flashqla_tune | fla |" in l)
+    flashqla = next(l for l in lines if "| flashqla_tune | flashqla |" in l)
+    assert "| 2 |" in fla and f"{math.sqrt(0.5 * 0.8):.3f}" in fla and "2 of 2" in fla and "0.80 (2/8 1x8192)" in fla
+    assert "0 of 2" in flashqla and "1.25 (2/8 1x32768)" in flashqla
+    assert report.summary_table(results, "eager") == []

@@ -4,6 +4,7 @@ floor; then accuracy)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from .cases import HEAD_LABELS
@@ -70,6 +71,32 @@ def mode_table(results: dict, mode: str) -> list[str]:
             cells += [_ratio(t, _time(row, a, mode)) for a in anchors if a != impl] + [_ratio(t, floor)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def summary_table(results: dict, mode: str) -> list[str]:
+    """Each of our columns against each anchor over the rows both measured: the geometric mean of
+    the time ratio, how many rows are faster, and the worst row (the issues' targets read off
+    this: faster than FLA on every row; 1.2x FlashQLA in geomean with no row slower)."""
+    impls = measured(results)
+    anchors = [a for a in ANCHORS if a in impls]
+    ours = [i for i in impls if i.startswith("flashqla_tune")]
+    lines = []
+    for impl in ours:
+        for anchor in anchors:
+            pairs = [(row, _time(row, impl, mode), _time(row, anchor, mode)) for row in results["rows"]]
+            pairs = [(row, t, a) for row, t, a in pairs if t is not None and a is not None and a > 0 and t > 0]
+            if not pairs:
+                continue
+            ratios = [(t / a, row) for row, t, a in pairs]
+            geomean = math.exp(sum(math.log(r) for r, _ in ratios) / len(ratios))
+            worst, worst_row = max(ratios, key=lambda x: x[0])
+            faster = sum(r < 1 for r, _ in ratios)
+            lines.append(f"| {impl} | {anchor} | {len(ratios)} | {geomean:.3f} ({1 / geomean:.2f}x) | "
+                         f"{faster} of {len(ratios)} | {worst:.2f} ({worst_row['heads']} {worst_row['seqlens']}) |")
+    if not lines:
+        return []
+    head = "| ours | against | rows | geomean time ratio (speed-up) | faster on | worst row |"
+    return [head, "|---|---|---|---|---|---|"] + lines
 
 
 def errors_section(results: dict) -> list[str]:
@@ -139,6 +166,9 @@ def render_markdown(results: dict) -> str:
     for mode, title in MODES:
         if mode in meta["modes"]:
             lines += ["", f"## Forward, {title}", ""] + mode_table(results, mode)
+            summary = summary_table(results, mode)
+            if summary:
+                lines += ["", f"Summary, {mode}: rows where both columns have a time.", ""] + summary
     acc = accuracy_table(results)
     if acc:
         lines += ["", "## Accuracy (relative L2 vs float64 chunked reference, input set 0)", ""] + acc
