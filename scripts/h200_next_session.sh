@@ -56,10 +56,10 @@ case "${1:-tests}" in
   cp)
     # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split);
     # scripts/diag_cp.py localises a failure by path (windows / exact / guard) when one appears
-    timeout 330 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+    timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
       -k "context_parallel or forced_short" > "$OUT/gpu_tests_cp.log" 2>&1
     grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 40
-    timeout 240 python3 -P scripts/cp_profile.py "$OUT" > "$OUT/cp_profile.log" 2>&1
+    timeout 220 python3 -P scripts/cp_profile.py "$OUT" > "$OUT/cp_profile.log" 2>&1
     tail -c 600 "$OUT/cp_profile.log" ;;
   cp-bench)
     heads=("${@:2}")
