@@ -37,6 +37,18 @@ class CPPlanError(ValueError):
     """A warm-up profile, machine description or segment table that the model cannot use."""
 
 
+def bucket_of_chunks(chunks: int) -> int:
+    """The segment-table entry a sequence of `chunks` chunks reads: ceil(log2 chunks), 0 for one
+    chunk or none, the last entry for longer ones (csrc/gdn_cp.cuh segment_chunks_for)."""
+    return min(max(chunks - 1, 0).bit_length(), SEGMENT_BUCKETS - 1)
+
+
+def segments_of(chunks: int, length: int) -> int:
+    """Segments of a sequence of `chunks` chunks cut every `length` chunks; one unless
+    0 < length < chunks (csrc/gdn_cp.cuh segments_of)."""
+    return -(-chunks // length) if 0 < length < chunks else 1
+
+
 def check_segment_table(lengths) -> tuple[int, ...]:
     """A segment table as the kernels read it: SEGMENT_BUCKETS non-negative ints (chunks per
     length bucket, 0 = no split)."""
@@ -98,12 +110,12 @@ class Machine:
     min_segment: int = 32        # chunks: shorter segments lost to one chain in batches (4 x 8192 tokens)
 
     def __post_init__(self):
-        if self.sms < 1 or self.ctas_per_sm < 1 or self.min_segment < 1 or min(self.cta_start, self.chain_step, self.cp_fixed,
-                                                       self.state_step, self.prep_item, self.batch_weight) < 0:
+        costs = (self.cta_start, self.chain_step, self.cp_fixed, self.state_step, self.prep_item, self.batch_weight)
+        if self.sms < 1 or self.ctas_per_sm < 1 or self.min_segment < 1 or min(costs) < 0:
             raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm}, min_segment={self.min_segment} "
-                              f"must be >= 1 and "
-                              f"cta_start={self.cta_start}, chain_step={self.chain_step}, cp_fixed={self.cp_fixed}, "
-                              f"state_step={self.state_step}, prep_item={self.prep_item}, batch_weight={self.batch_weight} >= 0")
+                              f"must be >= 1 and cta_start={self.cta_start}, chain_step={self.chain_step}, "
+                              f"cp_fixed={self.cp_fixed}, state_step={self.state_step}, prep_item={self.prep_item}, "
+                              f"batch_weight={self.batch_weight} >= 0")
 
 
 def _work(chunks: int, segment: int, chains: int, profile: WarmupProfile, machine: Machine) -> float:
@@ -172,5 +184,5 @@ def segment_table(chains: int, profile: WarmupProfile, machine: Machine, max_log
             for b in range(max_log2_chunks + 1)}
 
 
-__all__ = ["CPPlanError", "Machine", "SEGMENT_BUCKETS", "WarmupProfile", "check_segment_table", "makespan", "objective",
-           "segment_length", "segment_table"]
+__all__ = ["CPPlanError", "Machine", "SEGMENT_BUCKETS", "WarmupProfile", "bucket_of_chunks", "check_segment_table",
+           "makespan", "objective", "segment_length", "segment_table", "segments_of"]

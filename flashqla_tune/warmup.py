@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .calibrate.settings import DEFAULT_EPS  # the calibration's default eps: the same bound
-from .cp_plan import SEGMENT_BUCKETS, Machine, WarmupProfile, check_segment_table, segment_table
+from .cp_plan import (SEGMENT_BUCKETS, Machine, WarmupProfile, bucket_of_chunks, check_segment_table, segment_table,
+                      segments_of)
 from .plan import KernelPlan
 
 MAX_WINDOW_CHUNKS = 1024    # a window is a warm-up over n_h chunks; calibration caps n_h at 16
@@ -51,6 +52,10 @@ def default_table(num_v_heads: int) -> tuple[int, ...]:
     return (DEFAULT_WINDOW_CHUNKS,) * num_v_heads
 
 
+def is_default_table(values: tuple[int, ...]) -> bool:
+    return tuple(values) == default_table(len(values))
+
+
 def normalise(warmup, num_v_heads: int) -> tuple[int, ...]:
     """The op's `warmup` argument as a tuple of ints, checked: one entry per v-head, each -1 (chain
     exactly) or a window of 1..MAX_WINDOW_CHUNKS chunks. A CUDA tensor is refused: its values pick
@@ -82,7 +87,7 @@ def segment_lengths(values: tuple[int, ...], plan: KernelPlan, sms: int) -> list
     2^b chunks, from the CP cost model for this plan's chains on `sms` SMs and this warm-up table.
     The default table is planned as if a quarter of its heads failed the guard (the protocol's
     share of non-decaying heads): without a calibration the planner cannot know which will."""
-    if tuple(values) == default_table(len(values)):
+    if is_default_table(values):
         profile = WarmupProfile(exact_share=0.25, mean_window=float(DEFAULT_WINDOW_CHUNKS),
                                 max_window=DEFAULT_WINDOW_CHUNKS)
     else:
@@ -106,9 +111,9 @@ def describe_splits(lengths: tuple[int, ...], token_lengths: tuple[int, ...] = (
     parts = []
     for tokens in token_lengths:
         chunks = -(-tokens // 64)
-        length = lengths[min(max(chunks - 1, 0).bit_length(), len(lengths) - 1)]
-        split = 0 < length < chunks
-        parts.append(f"{tokens} tokens: " + (f"{-(-chunks // length)} x {length} chunks" if split else "one chain"))
+        length = lengths[bucket_of_chunks(chunks)]
+        segments = segments_of(chunks, length)
+        parts.append(f"{tokens} tokens: " + (f"{segments} x {length} chunks" if segments > 1 else "one chain"))
     return "; ".join(parts)
 
 
@@ -154,7 +159,7 @@ def _tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device, eps
     if tables is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # copying a new table to the GPU is a synchronous copy, which stream capture forbids
-            if values == default_table(len(values)):
+            if is_default_table(values):
                 _warn_default_skipped()
                 return None
             raise WarmupError(f"warm-up table {list(values)} is new on {device} while a CUDA graph is being "
@@ -179,11 +184,12 @@ def _make_tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device
 class SegmentBound:
     """An upper bound on the segments of a call of N sequences over T tokens under a segment
     table, O(1) per call (the kernels plan at most this many; the workspace holds this many).
-    Sequence i has c_i chunks with sum c_i <= C = T / 64 + N, bucket b holds 2^(b-1) < c <= 2^b
-    (bucket 0: c <= 1; the last bucket is open), and c chunks give ceil(c / L_b) segments when
-    0 < L_b < c, else one. Inside a bucket the extra segments grow with c, so the most a single
-    sequence can add is at the top of a bucket (or at C); over all sequences the extra is also at
-    most C / (shortest L that splits)."""
+    Sequence i has c_i <= ceil(T / 64) chunks with sum c_i <= C = T / 64 + N, bucket b holds
+    2^(b-1) < c <= 2^b (bucket 0: c <= 1; the last bucket is open), and c chunks give
+    ceil(c / L_b) segments when 0 < L_b < c, else one. Inside a bucket the extra segments grow
+    with c, so the most a single sequence can add is at the top of a bucket, or at ceil(T / 64)
+    in that one's bucket; over all sequences the extra is also at most C / (shortest L that
+    splits)."""
     lengths: tuple[int, ...]
     top_extra: tuple[int, ...]    # [b]: max extra segments of a sequence in buckets 0..b (b < last)
     top_shortest: tuple[int, ...]  # [b]: shortest splitting L in buckets 0..b (0: none)
@@ -194,7 +200,7 @@ class SegmentBound:
         best, short = 0, 0
         for b, length in enumerate(lengths[:-1]):
             if 0 < length < 2 ** b:
-                best = max(best, -(-(2 ** b) // length) - 1)
+                best = max(best, segments_of(2 ** b, length) - 1)
                 short = length if short == 0 else min(short, length)
             extra.append(best)
             shortest.append(short)
@@ -203,12 +209,11 @@ class SegmentBound:
     def __call__(self, total_tokens: int, num_seqs: int) -> int:
         chunks = total_tokens // 64 + num_seqs
         longest = -(-total_tokens // 64)                 # no sequence has more chunks than this
-        last = len(self.lengths) - 1
-        part = min(max(longest - 1, 0).bit_length(), last)  # the bucket of the longest possible sequence
+        part = bucket_of_chunks(longest)                 # the bucket of the longest possible sequence
         per_seq, shortest = (self.top_extra[part - 1], self.top_shortest[part - 1]) if part > 0 else (0, 0)
         length = self.lengths[part]
         if 0 < length < longest:                         # inside a bucket the extra grows with c
-            per_seq = max(per_seq, -(-longest // length) - 1)
+            per_seq = max(per_seq, segments_of(longest, length) - 1)
             shortest = length if shortest == 0 else min(shortest, length)
         extra = min(num_seqs * per_seq, chunks // shortest) if per_seq else 0
         return num_seqs + extra
@@ -238,6 +243,6 @@ def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> 
     return SegmentBound.of(tuple(lengths))(total_tokens, num_seqs)
 
 
-__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "DEFAULT_WINDOW_CHUNKS", "default_table", "MAX_SEGMENTS", "call_segments", "describe_splits",
+__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "DEFAULT_WINDOW_CHUNKS", "default_table", "is_default_table", "MAX_SEGMENTS", "call_segments", "describe_splits",
            "profile_segment_lengths", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
            "sm_count", "tables_for"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashqla_tune.cp_plan import (CPPlanError, Machine, WarmupProfile, makespan, objective, segment_length,
-                                   segment_table)
+from flashqla_tune.cp_plan import (SEGMENT_BUCKETS, CPPlanError, Machine, WarmupProfile, makespan, objective,
+                                   segment_length, segment_table)
 
 H200 = Machine()
 
@@ -100,3 +100,11 @@ def test_profile_from_a_calibration_pools_layers_and_heads():
     assert profile.exact_share == pytest.approx(1 / 24)
     assert profile.max_window == max(n for t in tables for n in t)
     assert segment_length(512, 16, profile, H200) > profile.max_window
+
+
+def test_bucket_and_segment_count_follow_the_kernels_rule():
+    from flashqla_tune.cp_plan import bucket_of_chunks, segments_of
+
+    assert [bucket_of_chunks(c) for c in (0, 1, 2, 3, 4, 5, 128, 129)] == [0, 0, 1, 2, 2, 3, 7, 8]
+    assert bucket_of_chunks(2 ** 40) == SEGMENT_BUCKETS - 1
+    assert [segments_of(c, L) for c, L in ((128, 32), (129, 32), (32, 32), (31, 0), (5, 1))] == [4, 5, 1, 1, 5]

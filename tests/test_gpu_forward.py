@@ -387,12 +387,12 @@ CP_CASES = {
 def model_segments_of(inp, warmup):
     """How many segments the cost model's table gives the longest sequence (so a test proves it splits)."""
     from flashqla_tune import warmup as warmup_tables
+    from flashqla_tune.cp_plan import bucket_of_chunks, segments_of
     plan = runtime.default_plan_for(ops.call_spec(inp["q"], inp["v"], inp["state_v_first"]))
     lengths = warmup_tables.segment_lengths(tuple(warmup), plan, torch.cuda.get_device_properties(0).multi_processor_count)
     cu = inp["cu_seqlens"].tolist()
     chunks = max(-(-(b - a) // 64) for a, b in zip(cu, cu[1:]))
-    bucket = max(chunks - 1, 0).bit_length()
-    return -(-chunks // lengths[bucket]) if 0 < lengths[bucket] < chunks else 1
+    return segments_of(chunks, lengths[bucket_of_chunks(chunks)])
 
 
 def check_cp_against_oracle(inp, l2norm, warmup, length, label):

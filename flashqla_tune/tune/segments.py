@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ..cp_plan import SEGMENT_BUCKETS, check_segment_table
+from ..cp_plan import bucket_of_chunks, check_segment_table
 
 TUNED_TOKENS = (2048, 8192, 32768)   # the scoreboard's lengths (1x2048, 1x8192, 1x32768)
 BATCH = 4                            # the batched case: BATCH sequences of the bucket's length
@@ -27,9 +27,8 @@ TimeFn = Callable[[tuple[int, ...], tuple[int, ...]], float]
 
 
 def bucket_of(tokens: int) -> int:
-    """The segment-table entry a sequence of `tokens` tokens reads (csrc/gdn_cp.cuh)."""
-    chunks = -(-tokens // 64)
-    return min(max(chunks - 1, 0).bit_length(), SEGMENT_BUCKETS - 1)
+    """The segment-table entry a sequence of `tokens` tokens reads."""
+    return bucket_of_chunks(-(-tokens // 64))
 
 
 def candidates(tokens: int, model_length: int, max_window: int) -> list[int]:
