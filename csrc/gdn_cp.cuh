@@ -16,7 +16,9 @@
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
 // the guard), so a sequence's output is the same bit for bit whatever it is batched with.
 #pragma once
+#include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cub/block/block_scan.cuh>
+#include <cute/arch/copy_sm80.hpp>
 #include <stdint.h>
 
 #include "gdn_sequences.cuh"
@@ -204,14 +206,6 @@ constexpr int chain_smem_bytes() {
   return int(sizeof(float)) * (2 * K * K + K * Columns);
 }
 
-__device__ __forceinline__ void cp_async_16(float* dst, const float* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
 // Word offset of element `col` of shared row `row` (rows of K words, 16-byte chunks swizzled).
 template <int K>
 __device__ __forceinline__ int chain_swizzled(int row, int col) {
@@ -247,9 +241,11 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     float* dst = m_buf + buf * K * K;
     for (int e = threadIdx.x; e < K * K / 4; e += kChainThreads) {
       const int r = e / (K / 4), c = 4 * (e % (K / 4));
-      cp_async_16(dst + chain_swizzled<K>(r, c), m + 4 * int64_t(e));
+      cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(m + 4 * int64_t(e)),
+          *reinterpret_cast<cute::uint128_t*>(dst + chain_swizzled<K>(r, c)));
     }
-    cp_async_commit();
+    cute::cp_async_fence();
   };
   auto load_h = [&](int32_t j, float (&h)[kHalf]) {
     const float* src = a.h_end + ((first + j) * Hv + hv) * kState;
@@ -269,9 +265,9 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     if (following < n) {
       fill(following, buf ^ 1);  // its buffer was last read before the previous step's closing barrier
       load_h(following, h_next);
-      cp_async_wait<1>();
+      cute::cp_async_wait<1>();  // the barrier below orders the shared-memory reads after it
     } else {
-      cp_async_wait<0>();
+      cute::cp_async_wait<0>();
     }
     if (last != j - 1) {  // segment j - 1 starts from h0, a warm-up state or zeros: read it
       const float* s_prev = a.jobs_fwd[row - Hv].h0;
