@@ -16,7 +16,9 @@
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
 // the guard), so a sequence's output is the same bit for bit whatever it is batched with.
 #pragma once
+#include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cub/block/block_scan.cuh>
+#include <cute/arch/copy_sm80.hpp>
 #include <stdint.h>
 
 #include "gdn_sequences.cuh"
@@ -191,36 +193,34 @@ __global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs
 // sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
 // CTAs of one head need no ordering between them, and each output element sums over m in the same
 // order whatever Columns is (bitwise the same for 8 or 16).
-// The chain is a latency-bound walk: each step's M (64 KB fp32) goes to shared memory with
-// cp.async while the previous step computes (two buffers), rows padded to K + 1 words so both the
-// coalesced fill and the per-row reads are free of bank conflicts; a step's result stays in shared
-// memory as the next step's input when the next boundary is exact too.
+// The chain is a latency-bound walk. Each step's M (64 KB fp32) goes to shared memory by 16-byte
+// cp.async while the previous step computes (two buffers), and the step's H comes into registers
+// during the previous step too. Shared rows keep their 16-byte chunks XOR-swizzled by the row
+// index (slot c ^ (row & 7)), so an 8-thread phase of a float4 read along a row, or a 32-thread
+// scalar read down a column, touches every bank once. A step's result stays in shared memory as
+// the next step's input when the next boundary is exact too.
 constexpr int kChainThreads = 256;   // two threads per state row (K = 128), each half the columns
-constexpr int kChainPad = 1;         // words of padding per shared-memory row of M
 
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
-  return int(sizeof(float)) * (2 * K * (K + kChainPad) + K * Columns);
+  return int(sizeof(float)) * (2 * K * K + K * Columns);
 }
 
-__device__ __forceinline__ void cp_async_4(float* dst, const float* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src) : "memory");
+// Word offset of element `col` of shared row `row` (rows of K words, 16-byte chunks swizzled).
+template <int K>
+__device__ __forceinline__ int chain_swizzled(int row, int col) {
+  return row * K + ((((col >> 2) ^ (row & 7))) << 2) + (col & 3);
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 template <int Hv, int K, int V, bool VFirst, int Columns>
 __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
-  static_assert(2 * K == kChainThreads && K == V, "the chain kernel assumes K = V = 128, two threads per row");
+  static_assert(2 * K == kChainThreads && K == V && K % 32 == 0, "the chain kernel assumes K = V = 128");
   static_assert(Columns % 8 == 0, "each thread's half of the columns is read as float4");
   constexpr int kHalf = Columns / 2;
-  constexpr int kRow = K + kChainPad;
   constexpr int64_t kState = int64_t(K) * V;
   extern __shared__ __align__(16) float chain_smem[];
-  float* m_buf = chain_smem;                       // [2][K][K + pad]
-  float* prev = chain_smem + 2 * K * kRow;         // [K][Columns]
+  float* m_buf = chain_smem;                       // [2][K][K], swizzled rows
+  float* prev = chain_smem + 2 * K * K;            // [K][Columns]
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
   const int col0 = blockIdx.z * Columns;
@@ -234,29 +234,40 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     while (j < n && !exact_at(j)) ++j;
     return j;
   };
-  // M (k, m) lies where a state's (k, v = m) does; consecutive threads take consecutive words.
+  // M (k, m) lies where a state's (k, v = m) does. Shared row r holds global row r: M's row k
+  // (k-major states) or its column m (VFirst), 16 bytes per cp.async, consecutive threads along a row.
   auto fill = [&](int32_t j, int buf) {
     const float* m = a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K;
-    float* dst = m_buf + buf * K * kRow;
-    for (int e = threadIdx.x; e < K * K; e += kChainThreads) {
-      const int r = VFirst ? e % K : e / K, c = VFirst ? e / K : e % K;
-      cp_async_4(dst + r * kRow + c, m + e);
+    float* dst = m_buf + buf * K * K;
+    for (int e = threadIdx.x; e < K * K / 4; e += kChainThreads) {
+      const int r = e / (K / 4), c = 4 * (e % (K / 4));
+      cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(m + 4 * int64_t(e)),
+          *reinterpret_cast<cute::uint128_t*>(dst + chain_swizzled<K>(r, c)));
     }
-    cp_async_commit();
+    cute::cp_async_fence();
+  };
+  auto load_h = [&](int32_t j, float (&h)[kHalf]) {
+    const float* src = a.h_end + ((first + j) * Hv + hv) * kState;
+    for (int c = 0; c < kHalf; ++c) h[c] = src[at(kk, col0 + c0 + c)];
   };
   int32_t j = next_exact(1);
   if (j >= n) return;
   fill(j, 0);
+  float h_cur[kHalf];
+  load_h(j, h_cur);
   int buf = 0;
   int32_t last = -1;  // the boundary whose result `prev` holds
   while (j < n) {
     const int64_t row = (first + j) * Hv + hv;
     const int32_t following = next_exact(j + 1);
+    float h_next[kHalf];
     if (following < n) {
       fill(following, buf ^ 1);  // its buffer was last read before the previous step's closing barrier
-      cp_async_wait<1>();
+      load_h(following, h_next);
+      cute::cp_async_wait<1>();  // the barrier below orders the shared-memory reads after it
     } else {
-      cp_async_wait<0>();
+      cute::cp_async_wait<0>();
     }
     if (last != j - 1) {  // segment j - 1 starts from h0, a warm-up state or zeros: read it
       const float* s_prev = a.jobs_fwd[row - Hv].h0;
@@ -265,14 +276,11 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
         prev[e] = s_prev ? s_prev[at(r, col0 + c)] : 0.f;
       }
     }
-    const float* h = a.h_end + row * kState;
     float acc[kHalf];
-    for (int c = 0; c < kHalf; ++c) acc[c] = h[at(kk, col0 + c0 + c)];
+    for (int c = 0; c < kHalf; ++c) acc[c] = h_cur[c];
     __syncthreads();  // M and prev are in shared memory
-    const float* m_row = m_buf + buf * K * kRow + kk * kRow;
-#pragma unroll 8
-    for (int mm = 0; mm < K; ++mm) {
-      const float w = m_row[mm];
+    const float* mb = m_buf + buf * K * K;
+    auto accumulate = [&](int mm, float w) {  // acc += M(kk, mm) * prev(mm, my columns), m in order
       const float4* p4 = reinterpret_cast<const float4*>(prev + mm * Columns + c0);  // a broadcast per warp
 #pragma unroll
       for (int q = 0; q < kHalf / 4; ++q) {
@@ -282,12 +290,28 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
         acc[4 * q + 2] = fmaf(w, x.z, acc[4 * q + 2]);
         acc[4 * q + 3] = fmaf(w, x.w, acc[4 * q + 3]);
       }
+    };
+    if constexpr (VFirst) {  // shared row mm is M's column mm: a scalar read down it
+#pragma unroll 8
+      for (int mm = 0; mm < K; ++mm) accumulate(mm, mb[chain_swizzled<K>(mm, kk)]);
+    } else {                 // shared row kk is M's row kk: float4 reads along it
+#pragma unroll 2
+      for (int m4 = 0; m4 < K; m4 += 4) {
+        const float4 w = *reinterpret_cast<const float4*>(mb + chain_swizzled<K>(kk, m4));
+        accumulate(m4, w.x);
+        accumulate(m4 + 1, w.y);
+        accumulate(m4 + 2, w.z);
+        accumulate(m4 + 3, w.w);
+      }
     }
     float* out = a.boundary + row * kState;
     for (int c = 0; c < kHalf; ++c) out[at(kk, col0 + c0 + c)] = acc[c];
     __syncthreads();  // every read of prev and of this M buffer is done
     if (following == j + 1) {  // the next step starts from this result (otherwise it reads its own)
       for (int c = 0; c < kHalf; ++c) prev[kk * Columns + c0 + c] = acc[c];
+    }
+    if (following < n) {
+      for (int c = 0; c < kHalf; ++c) h_cur[c] = h_next[c];
     }
     last = j;
     j = following;
