@@ -110,13 +110,16 @@ def test_describe_splits_names_segments_per_length():
 
 def test_the_default_window_is_planned_for_heads_that_fail_its_guard():
     """A call without a table gets DEFAULT_WINDOW_CHUNKS on every head, planned as if a quarter of
-    them chain exactly: few-head long rows split, 16/32 (64 chains already) does not."""
+    them chain exactly: few-head long rows split, 16/32 (64 chains already) only from 16k tokens,
+    16/48 (96 chains) never."""
     assert W.default_table(8) == (W.DEFAULT_WINDOW_CHUNKS,) * 8
     few = W.segment_lengths(W.default_table(8), PLAN_2_8, 132)
     assert "32768 tokens: one chain" not in W.describe_splits(tuple(few))
     assert "2048 tokens: one chain" in W.describe_splits(tuple(few))
     assert all(L == 0 or L > W.DEFAULT_WINDOW_CHUNKS for L in few)
-    many = W.segment_lengths(W.default_table(32), default_plan(GDNSpec(16, 32)), 132)
+    some = W.segment_lengths(W.default_table(32), default_plan(GDNSpec(16, 32)), 132)
+    assert W.describe_splits(tuple(some), (2048, 8192, 32768)).count("one chain") == 2
+    many = W.segment_lengths(W.default_table(48), default_plan(GDNSpec(16, 48)), 132)
     assert W.describe_splits(tuple(many), (2048, 8192, 32768)).count("one chain") == 3
     # an explicit calibrated table of the same heads is planned from its own values
     assert W.segment_lengths((8,) * 7 + (9,), PLAN_2_8, 132) != few
