@@ -108,7 +108,8 @@ def _tuning_record(result) -> dict:
 
 def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: float | None = None,
                jobs: int | None = None, force: bool = False, corpus=None, seq_len: int | None = None,
-               max_sequences: int | None = None, progress: bool = True, log=None) -> BuildReport:
+               max_sequences: int | None = None, progress: bool = True, compare_anchors: bool = False,
+               log=None) -> BuildReport:
     from .calibrate.default_model import default_model_path
     from .calibrate.hashing import checkpoint_hash
     from .calibrate.pipeline import calibrate_checkpoint
@@ -121,6 +122,10 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     model = read_model_config(ckpt)
     heads = plan_heads(model.spec, tp_sizes)
     gpu = environment.gpu_info() if tune else None
+    if compare_anchors and "fla" not in sys.modules:
+        # the calibration's transformers model imports FLA when it is installed, and FLA reads this
+        # at import: without it FLA dispatches to FlashQLA and its column would time FlashQLA
+        os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
     if tune and gpu is None:
         log("build: no CUDA GPU here, so the pack keeps the default tiles (untuned sm_90a)")
     elif tune and gpu.capability != (9, 0):
@@ -158,7 +163,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         tuning: dict[KernelPlan, dict] = {}
         if gpu is not None:
             t = time.perf_counter()
-            plans, tuning = _tune(plans, gpu, budget_s, jobs, progress, log)
+            plans, tuning = _tune(plans, gpu, budget_s, jobs, progress, log, compare_anchors)
             seconds["tune"] = time.perf_counter() - t
         entries = {e.plan: e for e in cache.get_kernels(list(dict.fromkeys(plans.values())), jobs=jobs)}
         (staging / BINARIES).mkdir()
@@ -224,15 +229,17 @@ def tune_segments(cal, plan: KernelPlan, model_lengths: tuple[int, ...], log, ti
     return result.lengths, result.record()
 
 
-def _tune(plans: dict, gpu, budget_s, jobs, progress, log):
+def _tune(plans: dict, gpu, budget_s, jobs, progress, log, compare_anchors: bool):
     from .tune.driver import tune_spec
+    from .tune.measure import gpu_measurement
     from .tune.report import table
 
     specs = list(dict.fromkeys(p.spec for p in plans.values()))
     share = None if budget_s is None else budget_s / len(specs)
     best: dict[GDNSpec, tuple[KernelPlan, dict]] = {}
     for spec in specs:
-        result = tune_spec(spec, gpu.name, budget_s=share, jobs=jobs, progress=progress)
+        measurement = gpu_measurement(jobs, anchors=("fla", "flashqla") if compare_anchors else ())
+        result = tune_spec(spec, gpu.name, budget_s=share, jobs=jobs, progress=progress, measurement=measurement)
         log(table(result))
         record = _tuning_record(result)
         chosen = result.best_plan or default_plan(spec)

@@ -206,3 +206,31 @@ def test_a_failing_anchor_is_recorded_not_raised(tmp_path):
     assert res.best is not None
     assert res.anchors == {"anchors": {"error": "RuntimeError: synthetic anchor failure"}}
     assert "anchors: not compared (RuntimeError: synthetic anchor failure)" in report.table(res)
+
+
+def test_a_run_without_anchors_says_where_they_are_compared(tmp_path):
+    """`build` leaves FLA and FlashQLA out unless --compare-anchors (their JIT compiles cost minutes
+    of the build's H200 time); the table says so instead of staying silent."""
+    tuner, _ = _tuner(tmp_path, measurement=synthetic_measurement(anchors=None), max_trials=3)
+    res = tuner.run()
+    assert res.best is not None and res.anchors == {}
+    assert "anchors: not timed in this run" in report.table(res)
+    assert "best vs" not in report.table(res)
+
+
+def test_build_refuses_compare_anchors_without_tuning(tmp_path, capsys):
+    from flashqla_tune.cli import main
+
+    assert main(["build", "--out", str(tmp_path / "pack"), "--no-tune", "--compare-anchors"]) == 2
+    assert "--compare-anchors has no effect with --no-tune" in capsys.readouterr().err
+    assert not (tmp_path / "pack").exists()
+
+
+def test_the_table_shows_the_gain_on_each_mix(tmp_path):
+    tuner, _ = _tuner(tmp_path, max_trials=6)
+    res = tuner.run()
+    line = next(l for l in report.table(res).splitlines() if l.startswith("  per mix"))
+    best, default = res.best.user_attrs["times_ms"], res.default.user_attrs["times_ms"]
+    assert len(best) > 1 and all(mix in line for mix in best)
+    first = next(iter(best))
+    assert f"{first} {default[first] / best[first]:.3f}x" in line

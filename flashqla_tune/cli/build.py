@@ -12,6 +12,9 @@ def add_parser(sub):
     p.add_argument("--no-tune", action="store_true", help="keep the default tiles (untuned sm_90a pack)")
     p.add_argument("--budget", type=float, help=f"tuning seconds in all (default {DEFAULT_BUDGET_S:g})")
     p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: cores)")
+    p.add_argument("--compare-anchors", action="store_true",
+                   help="after tuning, time FLA and FlashQLA on the tuner's mixes too (their JIT compiles cost "
+                        "minutes; `flashqla-tune bench` or `tune` compares them otherwise)")
     p.add_argument("--force", action="store_true", help="rebuild even when the pack is up to date")
     p.add_argument("--corpus", help="calibration text file or folder (default: the shipped corpus)")
     p.add_argument("--seq-len", type=int, help="calibration tokens per sequence")
@@ -29,10 +32,12 @@ def run(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={value} must be positive")
     if args.no_tune and args.budget is not None:
         raise ValueError("--budget has no effect with --no-tune")
+    if args.no_tune and args.compare_anchors:
+        raise ValueError("--compare-anchors has no effect with --no-tune")
     rep = build_pack(args.checkpoint, args.out, parse_tp(args.tp), tune=not args.no_tune,
                      budget_s=args.budget if args.budget is not None else DEFAULT_BUDGET_S, jobs=args.jobs,
                      force=args.force, corpus=args.corpus, seq_len=args.seq_len, max_sequences=args.max_sequences,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, compare_anchors=args.compare_anchors)
     m = rep.manifest
     if rep.reused:
         print(f"{rep.pack}: {rep.reason}; nothing rebuilt")

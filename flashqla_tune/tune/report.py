@@ -27,6 +27,12 @@ def worker_lines(trials) -> list[str]:
     return [f"worker {w}: {asked[w]} trials, {measured[w]} measured" for w in sorted(asked)]
 
 
+def _per_mix_speedups(best, default) -> list[tuple[str, float]]:
+    """The best config's gain on each length mix: a sum can hide a mix where it loses."""
+    mine, base = best.user_attrs.get("times_ms") or {}, default.user_attrs.get("times_ms") or {}
+    return [(mix, base[mix] / ms) for mix, ms in mine.items() if mix in base and ms > 0]
+
+
 def table(result: TuneResult, top: int = TOP) -> str:
     done = sorted((t for t in result.trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
     base = result.default.value if result.default is not None else None
@@ -43,11 +49,18 @@ def table(result: TuneResult, top: int = TOP) -> str:
     elif result.best is not None:
         lines.append(f"best: trial {result.best.number} ({_tiles(result.best.params)}), "
                      f"{result.speedup:.3f}x the default's {base:.4f} ms")
+        per_mix = _per_mix_speedups(result.best, result.default)
+        if per_mix:
+            lines.append("  per mix (default ms / best ms): " + ", ".join(f"{mix} {r:.3f}x" for mix, r in per_mix))
+    if not result.anchors and result.best is not None:
+        lines.append("anchors: not timed in this run (`flashqla-tune tune`, `build --compare-anchors` or "
+                     "`flashqla-tune bench` compares FLA and FlashQLA)")
     for name, record in sorted(result.anchors.items()):
         ratio = result.speedup_over(name)
         if ratio is not None:
-            lines.append(f"best vs {name} (same run, same mixes): {ratio:.3f}x "
-                         f"({sum(record['times_ms'].values()):.4f} ms)")
+            # ratio = anchor time / best time: above 1 the tuned kernel is faster
+            lines.append(f"best vs {name} (same run, same mixes): {ratio:.3f}x the speed "
+                         f"({name} {sum(record['times_ms'].values()):.4f} ms, best {result.best.value:.4f} ms)")
         else:
             lines.append(f"{name}: not compared ({record.get('error', 'mixes differ from the best config')})")
     stages = Counter(t.user_attrs.get("stage", "?") for t in result.trials if t.state == TrialState.PRUNED)
