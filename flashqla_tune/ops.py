@@ -153,15 +153,31 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
     table = list(warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv))
     return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps)
+                       state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps,
+                       longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+
+
+def longest_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:
+    """The longest sequence of a call as the host knows it without a device sync: T for batch
+    rows, the largest offset step of cu_seqlens_cpu, else 0 (unknown). It only lets a call whose
+    sequences are all too short to split skip the CP kernels (warmup.call_segments); a split
+    call's workspace is still sized from T, so a cu_seqlens_cpu that disagrees with cu_seqlens
+    costs speed, never memory safety."""
+    if cu_seqlens is None:
+        return T
+    if cu_seqlens_cpu is None:
+        return 0
+    values = cu_seqlens_cpu.tolist() if isinstance(cu_seqlens_cpu, torch.Tensor) else list(cu_seqlens_cpu)
+    return max(int(b) - int(a) for a, b in zip(values, values[1:]))
 
 
 def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 state_v_first, cu_seqlens, plan_name: str, warmup: list[int] | None = None,
-                warmup_eps: float = warmup_tables.DEFAULT_EPS):
+                warmup_eps: float = warmup_tables.DEFAULT_EPS, longest_tokens: int = 0):
     """The op after check_inputs: pack the batch as varlen and call the custom op. plan_name ""
     runs the default plan for the call's heads; otherwise a plan registered by a kernel pack.
-    warmup is a checked table (warmup.normalise) or None."""
+    warmup is a checked table (warmup.normalise) or None; longest_tokens is
+    longest_sequence_tokens' answer (0: unknown)."""
     B, T, Hqk = q.shape[:3]
     Hv = v.shape[2]
     check_grad(q, k, v, g, beta, initial_state)
@@ -177,7 +193,8 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
         q, k, v = q.reshape(1, B * T, Hqk, -1), k.reshape(1, B * T, Hqk, -1), v.reshape(1, B * T, Hv, -1)
         g, beta = g.reshape(1, B * T, Hv), beta.reshape(1, B * T, Hv)
     args = (q, k, v, g, beta, cu, initial_state, float(scale), bool(output_final_state),
-            bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name, warmup, float(warmup_eps))
+            bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name, warmup, float(warmup_eps),
+            int(longest_tokens))
     o, final = (torch.ops.flashqla_tune.gdn_fwd if needs_custom_op(q) else gdn_fwd_impl)(*args)
     return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
 
@@ -194,13 +211,15 @@ def needs_custom_op(q: torch.Tensor) -> bool:
 def gdn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
                  output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
-                 plan_name: str, warmup: list[int] | None, warmup_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 plan_name: str, warmup: list[int] | None, warmup_eps: float,
+                 longest_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The plan is picked here, not in the Python wrapper, so torch.compile only sees tensors,
     # scalars, a string and a list of ints.
     plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
     return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
                            use_qk_l2norm, warmup=None if warmup is None else tuple(warmup), warmup_eps=warmup_eps,
-                           segment_lengths=runtime.segment_lengths_for(plan_name) if plan_name else None)
+                           segment_lengths=runtime.segment_lengths_for(plan_name) if plan_name else None,
+                           longest_tokens=longest_tokens)
 
 
 _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())(gdn_fwd_impl)
@@ -208,7 +227,7 @@ _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())
 
 @_gdn_fwd_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first,
-      plan_name, warmup, warmup_eps):
+      plan_name, warmup, warmup_eps, longest_tokens):
     N = cu_seqlens.shape[0] - 1
     Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
     o = q.new_empty(v.shape)

@@ -108,7 +108,8 @@ class PackOps:
         plan = self.plan_for(q, v, state_v_first)
         return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                state_v_first, cu_seqlens, plan_name=self.registered[plan.name],
-                               warmup=list(warmup_tables.normalise(table, Hv)), warmup_eps=self.warmup_eps)
+                               warmup=list(warmup_tables.normalise(table, Hv)), warmup_eps=self.warmup_eps,
+                               longest_tokens=ops.longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
 
     def __repr__(self) -> str:
         return (f"PackOps({self.pack}, rank {self.tp_rank}/{self.tp_size}, {self.manifest.target}, "

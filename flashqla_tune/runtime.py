@@ -73,7 +73,8 @@ PREP_SCHEDULES = {"auto": 0, "serial": 1, "overlap": 2}  # csrc/gdn_abi.h FQT_PR
 def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
             use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None,
             prep_schedule: str = "auto", warmup: tuple[int, ...] | None = None,
-            warmup_eps: float = warmup_tables.DEFAULT_EPS, segment_lengths: tuple[int, ...] | None = None):
+            warmup_eps: float = warmup_tables.DEFAULT_EPS, segment_lengths: tuple[int, ...] | None = None,
+            longest_tokens: int = 0):
     """Packed inputs ([1, T, H, D], cu_seqlens int64 [N+1] on the device) -> (o, final_state).
 
     final_state is an empty tensor when not asked for (custom ops cannot return None). Tests
@@ -81,7 +82,9 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     forces how the prep and sequential kernels share the GPU ("serial" or "overlap"; results are
     bitwise equal), for tests and benchmarks; "auto" picks by the sequential grid's size.
     warmup (checked by warmup.normalise) turns on context parallelism where its segment table
-    splits (segment_lengths, else the cost model's for this table); the prep schedule is then serial."""
+    splits (segment_lengths, else the cost model's for this table); the prep schedule is then serial.
+    longest_tokens, the longest sequence when the host knows it (0: unknown), lets a call of short
+    sequences skip the CP kernels."""
     T, Hv = v.shape[1], v.shape[2]
     N = cu_seqlens.shape[0] - 1
     K, V = q.shape[3], v.shape[3]
@@ -104,7 +107,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         raise ValueError(f"prep_schedule={prep_schedule!r} must be one of {sorted(PREP_SCHEDULES)}")
     lib = library(plan)
     cp = None if warmup is None else warmup_tables.tables_for(warmup, plan, v.device, warmup_eps, segment_lengths)
-    segments = 0 if cp is None else warmup_tables.call_segments(cp, T, N, 3 * Hv * K * V * 4)
+    segments = 0 if cp is None else warmup_tables.call_segments(cp, T, N, 3 * Hv * K * V * 4, longest_tokens)
     if segments == 0:
         cp = None  # one exact chain per sequence
     workspace = torch.empty(lib.workspace_bytes(T, N, segments), dtype=torch.uint8, device=v.device)

@@ -219,14 +219,18 @@ class SegmentBound:
         return num_seqs + extra
 
 
-def call_segments(tables: WarmupTables, total_tokens: int, num_seqs: int, bytes_per_segment: int) -> int:
+def call_segments(tables: WarmupTables, total_tokens: int, num_seqs: int, bytes_per_segment: int,
+                  longest_tokens: int = 0) -> int:
     """The segment bound the kernels get for a call, or 0 to run it without CP: when no length
-    splits, or when the bound exceeds the kernels' limit or its fp32 boundary, H and M states
+    splits, when no sequence of at most longest_tokens tokens (the host's knowledge, 0: unknown)
+    would split, or when the bound exceeds the kernels' limit or its fp32 boundary, H and M states
     would take more than CP_SCRATCH_LIMIT_BYTES. The bound only sees T and N, so a call of very
     many sequences is refused CP even when few of them are long; such a call gives each sequence
     the exact chain (the no-CP result), so batch invariance holds for calls under the limit."""
     if not tables.splits:
         return 0
+    if 0 < longest_tokens <= total_tokens and tables.bound(longest_tokens, 1) == 1:
+        return 0  # every sequence is at most longest_tokens long, and none of those splits
     segments = tables.bound(total_tokens, num_seqs)
     if segments == num_seqs:
         return 0  # no sequence of this call is long enough to split: skip the CP kernels

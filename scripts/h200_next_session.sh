@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next session's kernel calls (carry [".whl", ".anchors"]), one step per device call:
+# The next session's kernel calls (carry [".whl-bench", ".anchors"]), one step per device call:
 #   bash scripts/h200_next_session.sh tests       GPU tests of the forward on the current kernel
 #                                                 and the per-kernel profile
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call
@@ -17,7 +17,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/next_out}
 mkdir -p "$OUT"
 source scripts/device_setup.sh
-device_setup .whl || exit 1
+# .whl-bench (no optuna storage wheels) keeps [wheels, .anchors] under the 64 MiB a call carries
+device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
 export FLA_DISABLE_BACKEND_DISPATCH=1
 # Ours, FLA and FlashQLA in one run (no PyTorch baseline): TIMEOUT_S BUDGET_S then --heads ...;
 # --budget-s stops starting new cases in time for the table to be written; --prewarm compiles every

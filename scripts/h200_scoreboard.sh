@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The scoreboard on the H200 (device tool `run`, carry [".whl", ".anchors"]). Installs the carried
+# The scoreboard on the H200 (device tool `run`, carry [".whl-bench", ".anchors"]). Installs the carried
 # wheels (nvidia-cutlass: our kernels build there) and this checkout into /tmp/site unless the
 # caller did already, unpacks the anchor bundle (FLA, FlashQLA) if present, writes
 # scoreboard.md/.json and the log to $OUT, and prints the table last. Extra arguments go to
@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/scoreboard_out}
 mkdir -p "$OUT"
 if [ -z "${PYTHONPATH:-}" ]; then  # not set up by a calling script
   source scripts/device_setup.sh
-  device_setup .whl || exit 1
+  device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
 fi
 [ -f .anchors/anchors.tar.xz ] || echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"

@@ -159,6 +159,17 @@ def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeyp
                                cu_seqlens=torch.tensor([0, 1024, 2048]))
     args = lib.calls[-1][0]
     assert args.warmup is None and args.segment_chunks is None and args.max_segments == 0
+    # eight 1024-token sequences: ceil(T / 64) = 128 chunks could split, so without the host's
+    # copy of cu_seqlens the CP kernels run (and find nothing to split); with it they are skipped
+    cu8 = torch.arange(0, T + 1, 1024)
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=cu8)
+    assert lib.calls[-1][0].max_segments == warmup_tables.max_segments(default.lengths, T, 8) > 8
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=cu8, cu_seqlens_cpu=cu8.clone())
+    assert lib.calls[-1][0].max_segments == 0 and lib.calls[-1][0].warmup is None
+    # one long sequence among short ones: the bound still comes from T, not from the host's copy
+    cu_mixed = torch.tensor([0, 1024, T])
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=cu_mixed, cu_seqlens_cpu=cu_mixed)
+    assert lib.calls[-1][0].max_segments == warmup_tables.max_segments(default.lengths, T, 2) > 2
     # the single chain (the benchmark's no-CP column): run_checked without a table
     ops.run_checked(q, q, v, g, g, None, None, False, False, True, torch.tensor([0, T]), plan_name="")
     assert lib.calls[-1][0].warmup is None and lib.calls[-1][0].max_segments == 0

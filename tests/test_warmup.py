@@ -136,3 +136,22 @@ def test_a_new_table_under_graph_capture(monkeypatch):
     with pytest.raises(W.WarmupError, match=r"warm-up table \[3, 3, 3, 3, 3, 3, 3, -1\] is new on cuda:0 while a "
                                             r"CUDA graph is being captured"):
         W.tables_for((3,) * 7 + (-1,), PLAN_2_8, cuda, 1e-5)
+
+
+def test_the_host_knowing_the_longest_sequence_skips_cp_kernels_only_when_nothing_splits(monkeypatch):
+    """ops.longest_sequence_tokens: batch rows give T, cu_seqlens_cpu its largest step, else 0."""
+    from flashqla_tune import ops
+
+    monkeypatch.setattr(W, "sm_count", lambda device: 132)
+    tables = W.tables_for(W.default_table(8), PLAN_2_8, torch.device("cpu"), W.DEFAULT_EPS)
+    per_segment = 3 * 8 * 128 * 128 * 4
+    T = 8192
+    assert W.call_segments(tables, T, 8, per_segment) > 8                      # 128 chunks could split
+    assert W.call_segments(tables, T, 8, per_segment, longest_tokens=1024) == 0
+    assert W.call_segments(tables, T, 8, per_segment, longest_tokens=T) == W.call_segments(tables, T, 8, per_segment)
+    # a hint past T is not believed
+    assert W.call_segments(tables, T, 8, per_segment, longest_tokens=T + 1) == W.call_segments(tables, T, 8, per_segment)
+    assert ops.longest_sequence_tokens(4096, None, None) == 4096
+    assert ops.longest_sequence_tokens(T, torch.tensor([0, 8]), None) == 0
+    assert ops.longest_sequence_tokens(T, torch.tensor([0, 8]), torch.tensor([0, 1000, 1000, 5000])) == 4000
+    assert ops.longest_sequence_tokens(T, torch.tensor([0, 8]), [0, 7]) == 7
