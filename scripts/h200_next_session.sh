@@ -8,6 +8,8 @@
 #                                                 2/8 and 4/16 scoreboard rows that fit
 #   bash scripts/h200_next_session.sh scoreboard [--heads H/V ...]   scoreboard rows that fit one
 #                                                 call: ours, FLA, FlashQLA (no PyTorch baseline)
+#   bash scripts/h200_next_session.sh ncu         Nsight Compute on the prep and sequential kernels
+#                                                 (scripts/ncu_target.py): stall reasons, memory, occupancy
 #   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests and scripts/cp_profile.py
 #   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
 #                                                 warm-up and with exact CP chaining beside FLA and
@@ -54,6 +56,19 @@ case "${1:-tests}" in
     heads=("${@:2}")
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8 --heads 4/16 --heads 16/64)
     same_run_scoreboard 560 470 "${heads[@]}" ;;
+  ncu)
+    # hardware counters work on the Firecracker machines (../.library/device/KINDS.md); the clocks
+    # stay as they are (--clock-control none, METHOD.md). One launch of each kernel per case.
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    [ -n "$ncu_bin" ] || { echo "no ncu on this machine" >&2; exit 1; }
+    timeout 420 "$ncu_bin" --clock-control none --profile-from-start off \
+      --kernel-name regex:'gdn_prep_kernel|gdn_fwd_kernel' \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
+      -o "$OUT/kernels" python3 -P scripts/ncu_target.py > "$OUT/ncu.log" 2>&1
+    echo "ncu rc=$?"; tail -n 5 "$OUT/ncu.log"
+    "$ncu_bin" --import "$OUT/kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
+    grep -E "gdn_|Duration|Warp Cycles Per Issued|Stall|Achieved Occupancy|Memory Throughput" "$OUT/ncu_details.txt" | head -n 40 ;;
   cp)
     # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split);
     # scripts/diag_cp.py localises a failure by path (windows / exact / guard) when one appears
@@ -69,5 +84,5 @@ case "${1:-tests}" in
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | cp | cp-bench)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | cp | cp-bench)" >&2; exit 2 ;;
 esac
