@@ -105,7 +105,8 @@ class Machine:
     chain_step: float = 4.0      # chunk-steps per boundary of the exact chain (a 128^3 fp32 product, ~6 us)
     cp_fixed: float = 8.0        # the planning kernels, the chain's first fill, three more launches
     state_step: float = 0.4      # a state-only chunk-step (H, M, windows: no output GEMMs) per forward one;
-                                 # fitted with the chain and prep costs by scripts/fit_cp_model.py (cp3 profile)
+                                 # in the flat optimum scripts/fit_cp_model.py finds on the cp3 profile with
+                                 # the chain and prep costs at their measured values (regret 1.058; 0.75: 1.112)
     prep_item: float = 7.5       # chunk-steps one SM spends on a (chunk, q/k head) prep item
     batch_weight: float = 0.35   # exponent of the work inflation in the objective (see the module doc)
     min_segment: int = 32        # chunks: shorter segments lost to one chain in batches (4 x 8192 tokens)

@@ -23,6 +23,7 @@ device_report "$OUT"
 mkdir -p "$FLASHQLA_TUNE_CACHE"
 if [ -f .carry/tuning.tar ]; then tar -C "$FLASHQLA_TUNE_CACHE" -xf .carry/tuning.tar && echo "resuming carried studies"; fi
 save_tuning() { [ -d "$FLASHQLA_TUNE_CACHE/tuning" ] && tar -C "$FLASHQLA_TUNE_CACHE" -cf "$OUT/tuning.tar" tuning; }
+trap save_tuning EXIT  # also when a timeout cuts the build: the journal is what a later call resumes
 python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.txt"
 STEP=${1:-tests}
 if [ "$STEP" = workers ]; then
@@ -49,5 +50,4 @@ fi
 timeout "$(( ${TUNE_BUDGET:-300} + 240 ))" python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
   build calibrate/data/default_model --out "$OUT/pack" --budget "${TUNE_BUDGET:-300}" --no-progress > "$OUT/build.log" 2>&1
 echo "build rc=$?"; tail -n 25 "$OUT/build.log"
-save_tuning
 rm -rf "$OUT/pack/binaries" 2>/dev/null  # binaries stay on the device; the manifest and calibration come back

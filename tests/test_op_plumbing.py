@@ -166,6 +166,11 @@ def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeyp
     assert lib.calls[-1][0].max_segments == warmup_tables.max_segments(default.lengths, T, 8) > 8
     ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=cu8, cu_seqlens_cpu=cu8.clone())
     assert lib.calls[-1][0].max_segments == 0 and lib.calls[-1][0].warmup is None
+    # a host copy that understates the lengths only costs speed: the call runs one exact chain
+    # per sequence (no CP kernels, no CP workspace), which is right for any lengths
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]),
+                               cu_seqlens_cpu=torch.tensor([0, 1024]))
+    assert lib.calls[-1][0].max_segments == 0 and lib.calls[-1][0].warmup is None
     # one long sequence among short ones: the bound still comes from T, not from the host's copy
     cu_mixed = torch.tensor([0, 1024, T])
     ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=cu_mixed, cu_seqlens_cpu=cu_mixed)
