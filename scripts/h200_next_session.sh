@@ -11,6 +11,8 @@
 #   bash scripts/h200_next_session.sh ncu         Nsight Compute on the prep and sequential kernels
 #                                                 (scripts/ncu_target.py): stall reasons, memory, occupancy
 #   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests and scripts/cp_profile.py
+#   bash scripts/h200_next_session.sh eager-default   eager timings of the op's default beside FLA and
+#                                                 FlashQLA on every row the default window splits
 #   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
 #                                                 warm-up and with exact CP chaining beside FLA and
 #                                                 FlashQLA (default 2/8)
@@ -40,7 +42,7 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3
     timeout 130 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
   host)
-    timeout 60 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2 ;;
+    timeout 150 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2 ;;
   sweep)
     timeout 560 python3 scripts/tile_sweep.py "$OUT" > "$OUT/tile_sweep.log" 2>&1
     tail -n 45 "$OUT/tile_sweep.log" | cut -c1-220 ;;
@@ -77,6 +79,22 @@ case "${1:-tests}" in
     grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 40
     timeout 220 python3 -P scripts/cp_profile.py "$OUT" > "$OUT/cp_profile.log" 2>&1
     tail -c 600 "$OUT/cp_profile.log" ;;
+  eager-default)
+    # issue 4: the scoreboard rows whose op column the default window changes (v6 measured their
+    # graph replay); 1x2048 never splits. 16/32 and 8/32 split from 16k tokens.
+    rows=()
+    for s in 1x32768 1x8192 28672+4096 16384+16384 4096+28672 12288+4096 1024+7168 8192x4 1024x8; do
+      rows+=(--seqlens "$s"); done
+    timeout 290 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla --no-graph \
+      --heads 2/8 --heads 4/16 --heads 16/16 --heads 8/24 "${rows[@]}" --accuracy-max-tokens 0 \
+      --sample-budget-s 0.05 --budget-s 230 --prewarm > "$OUT/eager_a.log" 2>&1
+    mkdir -p "$OUT/a" && mv "$OUT"/scoreboard.* "$OUT/a/" 2>/dev/null
+    tail -n 8 "$OUT/eager_a.log"
+    timeout 250 bash scripts/h200_scoreboard.sh --impl flashqla_tune --impl fla --impl flashqla --no-graph \
+      --heads 16/32 --heads 8/32 --seqlens 1x32768 --seqlens 28672+4096 --seqlens 16384+16384 \
+      --seqlens 4096+28672 --seqlens 12288+4096 --seqlens 8192x4 --accuracy-max-tokens 0 \
+      --sample-budget-s 0.05 --budget-s 200 --prewarm > "$OUT/eager_b.log" 2>&1
+    tail -n 8 "$OUT/eager_b.log" ;;
   cp-bench)
     heads=("${@:2}")
     [ ${#heads[@]} -gt 0 ] || heads=(--heads 2/8)
@@ -84,5 +102,5 @@ case "${1:-tests}" in
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | cp | cp-bench)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | cp | eager-default | cp-bench)" >&2; exit 2 ;;
 esac

@@ -2,8 +2,11 @@
 2/8 heads and 1x2048 tokens, the mean host time per call of each layer of the call stack, timed over
 back-to-back calls (the GPU runs behind; nothing synchronises inside the loop):
 
-  op        flashqla_tune.ops.chunk_gated_delta_rule (checks, custom-op dispatch, everything)
-  op_cp     the same with the calibrated warm-up table of the protocol's gates (context parallel)
+  op        flashqla_tune.ops.chunk_gated_delta_rule (checks, custom-op dispatch, everything); at
+            2048 tokens no table splits, so this is the single chain's path
+  op_cp     the same with the calibrated warm-up table of the protocol's gates
+  op_32k, op_cp_32k, single_32k   1x32768 tokens, where the default window and the calibrated
+            table split (context parallel: four more launches), and the single chain (no table)
   forward   runtime.forward (buffers, the launch struct, the C++ host path)
   launch    the library call alone with a prepared struct (TMA descriptors, two launches)
   empty     one torch.empty of the workspace;  stream  torch's current stream handle
@@ -27,14 +30,14 @@ CALLS = 200
 CP_TABLE = protocol_warmup_table(8)
 
 
-def per_call_us(fn) -> float:
+def per_call_us(fn, calls: int = CALLS) -> float:
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter_ns()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
-    host = (time.perf_counter_ns() - t0) / CALLS / 1e3
+    host = (time.perf_counter_ns() - t0) / calls / 1e3
     torch.cuda.synchronize()
     return round(host, 2)
 
@@ -58,11 +61,29 @@ def main(out_dir: str) -> int:
         cu_seqlens=cu.data_ptr(), initial_state=h0.data_ptr(), final_state=final.data_ptr(), o=o.data_ptr(),
         workspace=workspace.data_ptr(), total_tokens=T, num_seqs=1, scale=128 ** -0.5, use_qk_l2norm=0, prep_schedule=0)
     stream = runtime.current_stream_handle(v.device)
+    T_long = 32768
+    ql = F.normalize(torch.randn(1, T_long, 2, 128, device=dev), dim=-1).bfloat16()
+    kl = F.normalize(torch.randn(1, T_long, 2, 128, device=dev), dim=-1).bfloat16()
+    vl = torch.randn(1, T_long, 8, 128, device=dev).bfloat16()
+    gl = F.logsigmoid(torch.randn(1, T_long, 8, device=dev)) / 16
+    bl = torch.rand(1, T_long, 8, device=dev)
+    cul = torch.tensor([0, T_long], device=dev)
+    cul_cpu = cul.cpu()
+
+    def long_call(**kw):
+        return ops.chunk_gated_delta_rule(ql, kl, vl, gl, bl, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cul, cu_seqlens_cpu=cul_cpu, **kw)
+
+    long_calls = 40  # ~0.4 ms of GPU time and 7 launches each: stay far from a full launch queue
     with torch.no_grad():
         result = {
+            "op_32k": per_call_us(long_call, long_calls),
+            "op_cp_32k": per_call_us(lambda: long_call(warmup=CP_TABLE), long_calls),
+            "single_32k": per_call_us(lambda: ops.run_checked(ql, kl, vl, gl, bl, None, h0, True, False, False, cul,
+                                                              plan_name=""), long_calls),
             "op": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                                                  output_final_state=True, cu_seqlens=cu)),
-            # context parallel (the protocol's calibrated table splits this row): four more launches
+            # with the calibrated table; 2048 tokens do not split, so no CP kernel runs
             "op_cp": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                                                     output_final_state=True, cu_seqlens=cu,
                                                                     warmup=CP_TABLE)),
@@ -72,7 +93,7 @@ def main(out_dir: str) -> int:
             "stream": per_call_us(lambda: runtime.current_stream_handle(v.device)),
             "checks": per_call_us(lambda: ops.check_inputs(q, k, v, g, beta, h0, cu, None, False)),
         }
-    result["unit"] = f"us per call, mean of {CALLS} back-to-back calls"
+    result["unit"] = f"us per call, mean of {CALLS} back-to-back calls ({long_calls} for the 32k ones)"
     print(json.dumps(result))
     with open(f"{out_dir}/host_overhead.json", "w") as f:
         json.dump(result, f, indent=1)
