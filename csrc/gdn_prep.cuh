@@ -39,6 +39,20 @@ enum PrepOrder : int {
 
 constexpr int kPrepPad = kChunk + 4;  // padded rows of 64x64 fp32 tiles (16-byte aligned rows)
 
+// Measurement only (scripts/prep_ablation.py): FQT_PREP_ABLATE leaves stages of an item out, so
+// each stage's cost shows as a time difference without hardware counters (the method of
+// ../.library/device/H200.md). Results are wrong with any bit set; products build with 0.
+#ifndef FQT_PREP_ABLATE
+#define FQT_PREP_ABLATE 0
+#endif
+enum : int {
+  kAblateGemms = 1,   // no K K^T / Q K^T wgmma (the fp32 tiles keep stale values)
+  kAblateSolve = 2,   // A0 = I: no forward substitution
+  kAblateAwOut = 4,   // no Aw (decay mask, exponentials, stores)
+  kAblatePOut = 8,    // no P and no gamma row (decay mask, exponentials, stores)
+};
+constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
+
 template <class Elem, int Hqk, int HeadK, int Threads_>
 struct PrepConfig {
   static constexpr int Threads = Threads_;
@@ -291,7 +305,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
 
     // 2. K K^T and Q K^T on the tensor cores, into fp32 tiles: one per warp group with two,
     //    both in turn with one.
-    {
+    if constexpr (prep_runs(kAblateGemms)) {
       typename Cfg::Mma mma;
       auto thr = mma.get_thread_slice(tid % 128);
       Tensor tB = thr.partition_fragment_B(sK);
@@ -370,23 +384,29 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
               x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
             }
           };
-          if (c >= kChunk / 2)
+          if constexpr (!prep_runs(kAblateSolve)) {
+            CUTE_UNROLL
+            for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
+          } else if (c >= kChunk / 2) {
             solve_from(Int<kChunk / 2>{});
-          else
+          } else {
             solve_from(Int<0>{});
+          }
           const int hv = hqk * G + hb + h;
           Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
           const float gc = ss.gamma[h][c], bc = bet[c];
-          CUTE_UNROLL
-          for (int i = 0; i < kChunk; ++i) {
-            const float a = (i < L && c <= i) ? __expf(ss.gamma[h][i] - gc) * x[i] * bc : 0.f;
-            aw[i * kChunk + c] = Elem(a);
+          if constexpr (prep_runs(kAblateAwOut)) {
+            CUTE_UNROLL
+            for (int i = 0; i < kChunk; ++i) {
+              const float a = (i < L && c <= i) ? __expf(ss.gamma[h][i] - gc) * x[i] * bc : 0.f;
+              aw[i * kChunk + c] = Elem(a);
+            }
           }
         }
       }
 
       // 5. P with the decay mask (two columns per store), and the slot's gamma row.
-      for (int h = 0; h < nb; ++h) {
+      for (int h = 0; h < (prep_runs(kAblatePOut) ? nb : 0); ++h) {
         const int hv = hqk * G + hb + h;
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
         uint32_t* pm = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.p) + base);

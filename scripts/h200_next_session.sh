@@ -10,6 +10,8 @@
 #                                                 call: ours, FLA, FlashQLA (no PyTorch baseline)
 #   bash scripts/h200_next_session.sh ncu         Nsight Compute on the prep and sequential kernels
 #                                                 (scripts/ncu_target.py): stall reasons, memory, occupancy
+#   bash scripts/h200_next_session.sh prep-ablation   the prep's time per stage by leaving stages out
+#                                                 (scripts/prep_ablation.py; no counters needed)
 #   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests and scripts/cp_profile.py
 #   bash scripts/h200_next_session.sh eager-default   eager timings of the op's default beside FLA and
 #                                                 FlashQLA on every row the default window splits
@@ -71,6 +73,9 @@ case "${1:-tests}" in
     echo "ncu rc=$?"; tail -n 5 "$OUT/ncu.log"
     "$ncu_bin" --import "$OUT/kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
     grep -E "gdn_|Duration|Warp Cycles Per Issued|Stall|Achieved Occupancy|Memory Throughput" "$OUT/ncu_details.txt" | head -n 40 ;;
+  prep-ablation)
+    timeout 420 python3 -P scripts/prep_ablation.py "$OUT" > "$OUT/prep_ablation.log" 2>&1
+    echo "rc=$?"; tail -n 4 "$OUT/prep_ablation.log" | cut -c1-600 ;;
   cp)
     # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split);
     # scripts/diag_cp.py localises a failure by path (windows / exact / guard) when one appears
@@ -102,5 +107,5 @@ case "${1:-tests}" in
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | cp | eager-default | cp-bench)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | cp | eager-default | cp-bench)" >&2; exit 2 ;;
 esac

@@ -1,0 +1,79 @@
+"""Where the prep kernel's time goes, without hardware counters (../.library/device/H200.md):
+build variants that leave one stage of each item out (csrc/gdn_prep.cuh, FQT_PREP_ABLATE) and
+time the prep kernel of each (torch.profiler, prep then sequential kernel, serialised). A stage's
+cost is the full kernel's time minus the time without it. The outputs of ablated variants are
+wrong by construction; only their times are used.
+
+    python -P scripts/prep_ablation.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flashqla_tune import cache, runtime
+from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.inputs import make_rotation
+from flashqla_tune.build import BuildConfig
+from flashqla_tune.loader import open_library
+from flashqla_tune.plan import default_plan
+from flashqla_tune.spec import GDNSpec
+from flashqla_tune.tune.measure import forward_on_inputs
+
+CASES = [Case(16, 16, (32768,)), Case(2, 8, (32768,)), Case(16, 64, (8192,))]
+# csrc/gdn_prep.cuh: 1 GEMMs, 2 solve, 4 Aw output, 8 P output. Leaving the Aw output out also
+# drops the solve (its only reader), so the Aw output alone is stage(no_aw_out) - stage(no_solve).
+# no_gemms changes register allocation (24 B of spills on 2/8), so its difference is approximate.
+VARIANTS = {"full": 0, "no_gemms": 1, "no_solve": 2, "no_aw_out": 4, "no_p_out": 8, "walk_only": 15}
+REPEATS = 5
+
+
+def prep_ms(plan, x) -> float:
+    with torch.no_grad():
+        forward_on_inputs(plan, x, prep_schedule="serial")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(REPEATS):
+                forward_on_inputs(plan, x, prep_schedule="serial")
+            torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and "gdn_prep_kernel" in e.name)
+    return round(total / 1e3 / REPEATS, 4)
+
+
+def main(out_dir: str) -> int:
+    plans = [default_plan(GDNSpec(c.num_qk_heads, c.num_v_heads)) for c in CASES]
+    configs = {name: BuildConfig(extra_flags=("-DNDEBUG", f"-DFQT_PREP_ABLATE={bits}"))
+               for name, bits in VARIANTS.items()}
+    with ThreadPoolExecutor(len(configs)) as pool:  # nvcc runs in subprocesses: all variants at once
+        entries = dict(zip(configs, pool.map(lambda cfg: cache.get_kernels(plans, config=cfg), configs.values())))
+    rows = []
+    library = runtime.library
+    try:
+        for i, (case, plan) in enumerate(zip(CASES, plans)):
+            x = make_rotation(case, 1, "cuda")[0]
+            times = {}
+            for name in VARIANTS:
+                lib = open_library(entries[name][i].so_path, plan)
+                runtime.library = lambda p, lib=lib: lib  # this variant for the forward's launch
+                times[name] = prep_ms(plan, x)
+            items = -(-max(case.seqlens) // 64) * len(case.seqlens) * case.num_qk_heads
+            stage = {name: round(times["full"] - t, 4) for name, t in times.items() if name != "full"}
+            stage["aw_out_alone"] = round(stage["no_aw_out"] - stage["no_solve"], 4)
+            rows.append({"case": case.name, "plan": plan.name, "items": items, "prep_ms": times,
+                         "us_per_item_and_sm": round(times["full"] * 1e3 * torch.cuda.get_device_properties(0).multi_processor_count / items, 2),
+                         "stage_ms": stage})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        runtime.library = library
+    with open(f"{out_dir}/prep_ablation.json", "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
