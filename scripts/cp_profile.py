@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flashqla_tune import runtime, warmup as warmup_tables
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
-from flashqla_tune.bench.timing import CudaTimer
+from flashqla_tune.bench.timing import CudaTimer, kernel_ms_per_call
 from flashqla_tune.cp_plan import SEGMENT_BUCKETS
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
@@ -38,17 +36,7 @@ def call_of(plan, warmup, lengths):
 
 
 def kernel_ms(call, x) -> dict:
-    with torch.no_grad():
-        call(x)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPEATS):
-                call(x)
-            torch.cuda.synchronize()
-    per_kernel = defaultdict(float)
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[evt.name[:48]] += evt.device_time_total / 1e3 / REPEATS
+    per_kernel = kernel_ms_per_call(lambda: call(x), REPEATS, lambda kernel: kernel[:48])
     return {k: round(v, 4) for k, v in per_kernel.items()}
 
 

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from flashqla_tune import abi, ops, runtime
-from flashqla_tune.bench.inputs import protocol_warmup_table
+from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
 
 CALLS = 200
 CP_TABLE = protocol_warmup_table(8)
@@ -61,26 +62,21 @@ def main(out_dir: str) -> int:
         cu_seqlens=cu.data_ptr(), initial_state=h0.data_ptr(), final_state=final.data_ptr(), o=o.data_ptr(),
         workspace=workspace.data_ptr(), total_tokens=T, num_seqs=1, scale=128 ** -0.5, use_qk_l2norm=0, prep_schedule=0)
     stream = runtime.current_stream_handle(v.device)
-    T_long = 32768
-    ql = F.normalize(torch.randn(1, T_long, 2, 128, device=dev), dim=-1).bfloat16()
-    kl = F.normalize(torch.randn(1, T_long, 2, 128, device=dev), dim=-1).bfloat16()
-    vl = torch.randn(1, T_long, 8, 128, device=dev).bfloat16()
-    gl = F.logsigmoid(torch.randn(1, T_long, 8, device=dev)) / 16
-    bl = torch.rand(1, T_long, 8, device=dev)
-    cul = torch.tensor([0, T_long], device=dev)
-    cul_cpu = cul.cpu()
+    long = make_rotation(Case(2, 8, (32768,)), 1, dev)[0]  # the protocol's inputs, one 32k sequence
 
     def long_call(**kw):
-        return ops.chunk_gated_delta_rule(ql, kl, vl, gl, bl, initial_state=h0, output_final_state=True,
-                                          cu_seqlens=cul, cu_seqlens_cpu=cul_cpu, **kw)
+        return ops.chunk_gated_delta_rule(long.q, long.k, long.v, long.g, long.beta, initial_state=long.initial_state,
+                                          output_final_state=True, cu_seqlens=long.cu_seqlens_long,
+                                          cu_seqlens_cpu=long.cu_seqlens_cpu, **kw)
 
     long_calls = 40  # ~0.4 ms of GPU time and 7 launches each: stay far from a full launch queue
     with torch.no_grad():
         result = {
             "op_32k": per_call_us(long_call, long_calls),
             "op_cp_32k": per_call_us(lambda: long_call(warmup=CP_TABLE), long_calls),
-            "single_32k": per_call_us(lambda: ops.run_checked(ql, kl, vl, gl, bl, None, h0, True, False, False, cul,
-                                                              plan_name=""), long_calls),
+            "single_32k": per_call_us(lambda: ops.run_checked(long.q, long.k, long.v, long.g, long.beta, None,
+                                                              long.initial_state, True, False, False,
+                                                              long.cu_seqlens_long, plan_name=""), long_calls),
             "op": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
                                                                  output_final_state=True, cu_seqlens=cu)),
             # with the calibrated table; 2048 tokens do not split, so no CP kernel runs

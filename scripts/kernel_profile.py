@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.inputs import make_rotation
-from flashqla_tune.bench.timing import CudaTimer
+from flashqla_tune.bench.timing import CudaTimer, kernel_ms_per_call
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import forward_on_inputs
@@ -30,19 +28,9 @@ SCHEDULES = ("serial", "overlap", "auto")
 
 
 def serial_kernel_ms(plan, x) -> dict:
-    with torch.no_grad():
-        forward_on_inputs(plan, x, prep_schedule="serial")
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPEATS):
-                forward_on_inputs(plan, x, prep_schedule="serial")
-            torch.cuda.synchronize()
-    per_kernel = defaultdict(float)
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            name = "prep" if "gdn_prep_kernel" in evt.name else "sequential" if "gdn_fwd_kernel" in evt.name else evt.name[:40]
-            per_kernel[name] += evt.device_time_total / 1e3 / REPEATS  # ms per call
-    return dict(per_kernel)
+    def name_of(kernel: str) -> str:
+        return "prep" if "gdn_prep_kernel" in kernel else "sequential" if "gdn_fwd_kernel" in kernel else kernel[:40]
+    return kernel_ms_per_call(lambda: forward_on_inputs(plan, x, prep_schedule="serial"), REPEATS, name_of)
 
 
 def row(case: Case, timer: CudaTimer) -> dict:

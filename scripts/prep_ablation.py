@@ -13,11 +13,11 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flashqla_tune import cache, runtime
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.inputs import make_rotation
+from flashqla_tune.bench.timing import kernel_ms_per_call
 from flashqla_tune.build import BuildConfig
 from flashqla_tune.loader import open_library
 from flashqla_tune.plan import default_plan
@@ -33,16 +33,9 @@ REPEATS = 5
 
 
 def prep_ms(plan, x) -> float:
-    with torch.no_grad():
-        forward_on_inputs(plan, x, prep_schedule="serial")
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPEATS):
-                forward_on_inputs(plan, x, prep_schedule="serial")
-            torch.cuda.synchronize()
-    total = sum(e.device_time_total for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA and "gdn_prep_kernel" in e.name)
-    return round(total / 1e3 / REPEATS, 4)
+    per_kernel = kernel_ms_per_call(lambda: forward_on_inputs(plan, x, prep_schedule="serial"), REPEATS,
+                                    lambda kernel: "prep" if "gdn_prep_kernel" in kernel else "other")
+    return round(per_kernel["prep"], 4)
 
 
 def main(out_dir: str) -> int:

@@ -113,3 +113,24 @@ class CudaTimer:
         except Exception as exc:
             return Timing(error=f"eager call failed: {_short(exc)}")
         return Timing(statistics.median(samples), samples)
+
+
+def kernel_ms_per_call(call, repeats: int = 5, name_of=lambda name: name) -> dict[str, float]:
+    """Each CUDA kernel's time per call of call() (torch.profiler over `repeats` calls, after one
+    warm-up call, under no_grad), summed under name_of(kernel name): where one call's GPU time goes.
+    The profile scripts (scripts/kernel_profile.py, cp_profile.py, prep_ablation.py) share it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                call()
+            torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            key = name_of(evt.name)
+            per_kernel[key] = per_kernel.get(key, 0.0) + evt.device_time_total / 1e3 / repeats
+    return per_kernel
