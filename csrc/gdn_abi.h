@@ -8,6 +8,13 @@
 
 #define FQT_ABI_VERSION 3
 
+// Libraries build with -fvisibility=hidden (flashqla_tune/build.py) and export only these
+// functions. Hidden, the launcher's per-device static state stays private to each library:
+// with default visibility g++ makes it a GNU-unique symbol, so a second library of the same
+// plan in one process (a rebuilt cache entry, a pack beside the cache, a measurement variant)
+// shared the first one's state and launched without its own shared-memory attributes.
+#define FQT_EXPORT __attribute__((visibility("default")))
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -56,15 +63,15 @@ typedef struct FqtGdnFwdArgs {
 } FqtGdnFwdArgs;
 
 // ABI version the library was built against (FQT_ABI_VERSION).
-int32_t fqt_abi_version(void);
+FQT_EXPORT int32_t fqt_abi_version(void);
 // JSON text describing the compiled plan (spec and tile parameters), for checks at load time.
-const char* fqt_plan_json(void);
+FQT_EXPORT const char* fqt_plan_json(void);
 // Bytes of scratch a call with these sizes needs (max_segments: 0 without context parallelism).
-int64_t fqt_gdn_fwd_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t max_segments);
+FQT_EXPORT int64_t fqt_gdn_fwd_workspace_bytes(int64_t total_tokens, int64_t num_seqs, int64_t max_segments);
 // Enqueue the forward on `stream` (a cudaStream_t). Returns 0 or a cudaError_t code; never syncs.
-int32_t fqt_gdn_fwd(const FqtGdnFwdArgs* args, void* stream);
+FQT_EXPORT int32_t fqt_gdn_fwd(const FqtGdnFwdArgs* args, void* stream);
 // Message for a code returned above.
-const char* fqt_error_string(int32_t code);
+FQT_EXPORT const char* fqt_error_string(int32_t code);
 
 #ifdef __cplusplus
 }

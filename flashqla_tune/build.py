@@ -61,6 +61,8 @@ class BuildConfig:
         number = _ARCH_RE.match(self.arch).group(1) + _ARCH_RE.match(self.arch).group(2)
         return [f"-gencode=arch=compute_{number},code=sm_{number}", "-O3", "-std=c++17",
                 "--expt-relaxed-constexpr", "-Xptxas", "-v", "-shared", "-Xcompiler", "-fPIC",
+                # only csrc/gdn_abi.h's FQT_EXPORT functions leave the library (see there why)
+                "-Xcompiler", "-fvisibility=hidden",
                 *self.extra_flags]
 
     def include_dirs(self) -> list[Path]:

@@ -10,12 +10,15 @@ from dataclasses import dataclass
 
 from .spec import GDNSpec, SpecError
 
-# setmaxnreg takes multiples of 8 in [24, 256]. A CTA is one producer warp group, one consumer warp
+# setmaxnreg takes multiples of 8 in [24, 256] (248 here, see MAX_SETMAXNREG). A CTA is one producer warp group, one consumer warp
 # group per 64 state columns (block_v / 64) and optionally an output warp group. Its threads launch
 # with the SM's 65536 registers / (threads x ctas_per_sm), rounded down to 8: that count times the
 # threads is the pool its roles then split with setmaxnreg. Shared memory on sm_90: 228 KB per SM,
 # of which each resident CTA also takes 1 KB for the system; at most 227 KB (232448 B) per CTA.
 REGISTERS_PER_SM = 65536
+# PTX allows setmaxnreg 256, but ptxas caps a kernel at 255 registers, and the split r256x256
+# raised an illegal instruction on the H200 (docs/gpu-logs/2026-11-30-v7-pack-build-illegal-instruction.log).
+MAX_SETMAXNREG = 248
 SHARED_MEMORY_PER_SM = 233472
 SHARED_MEMORY_PER_CTA = 232448
 RESERVED_SHARED_MEMORY_PER_CTA = 1024
@@ -63,8 +66,13 @@ class TileParams:
             raise PlanError(f"stages={self.stages} must be 1, 2 or 3")
         for name in ("producer_regs", "consumer_regs"):
             regs = getattr(self, name)
-            if regs % 8 or not 24 <= regs <= 256:
-                raise PlanError(f"{name}={regs} must be a multiple of 8 in [24, 256] (setmaxnreg)")
+            if regs % 8 or not 24 <= regs <= MAX_SETMAXNREG:
+                raise PlanError(f"{name}={regs} must be a multiple of 8 in [24, {MAX_SETMAXNREG}] (setmaxnreg; "
+                                f"256 is above the 255 registers ptxas gives a kernel, and faulted on the H200)")
+        if self.producer_regs > self.consumer_regs:
+            raise PlanError(f"producer_regs={self.producer_regs} is above consumer_regs={self.consumer_regs}: ptxas "
+                            f"sizes the kernel to the largest setmaxnreg count, and a producer's setmaxnreg.dec "
+                            f"above it does not assemble (C7406)")
         if self.ctas_per_sm not in (1, 2):
             raise PlanError(f"ctas_per_sm={self.ctas_per_sm} must be 1 or 2")
         if self.output_group not in (0, 1):

@@ -12,6 +12,7 @@
 #                                                 (scripts/ncu_target.py): stall reasons, memory, occupancy
 #   bash scripts/h200_next_session.sh prep-ablation   the prep's time per stage by leaving stages out
 #                                                 (scripts/prep_ablation.py; no counters needed)
+#   bash scripts/h200_next_session.sh tune-smoke  a few tuner trials measured in the child process (carry .whl)
 #   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests and scripts/cp_profile.py
 #   bash scripts/h200_next_session.sh eager-default   eager timings of the op's default beside FLA and
 #                                                 FlashQLA on every row the default window splits
@@ -77,6 +78,13 @@ case "${1:-tests}" in
   prep-ablation)
     timeout 420 python3 -P scripts/prep_ablation.py "$OUT" > "$OUT/prep_ablation.log" 2>&1
     echo "rc=$?"; tail -n 4 "$OUT/prep_ablation.log" | cut -c1-600 ;;
+  tune-smoke)
+    # the tuner's measuring process (tune/isolation.py) on the GPU: a few trials of 2/8, checked and
+    # timed in the child; optuna comes from .whl (carry it instead of .whl-bench)
+    timeout "${SMOKE_TIMEOUT:-150}" python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
+      tune --hqk 2 --hv 8 --trials "${SMOKE_TRIALS:-3}" --budget 120 --no-progress --study-dir "$OUT/study" \
+      > "$OUT/tune_smoke.log" 2>&1
+    echo "tune rc=$?"; tail -n 16 "$OUT/tune_smoke.log" | cut -c1-300 ;;
   cp)
     # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split);
     # scripts/diag_cp.py localises a failure by path (windows / exact / guard) when one appears
@@ -108,5 +116,5 @@ case "${1:-tests}" in
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | cp | eager-default | cp-bench)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench)" >&2; exit 2 ;;
 esac

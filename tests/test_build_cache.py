@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,19 @@ def test_sass_of_built_library(tc):
 
 @pytest.mark.slow
 @needs_nvcc
+def test_library_exports_only_the_abi(tc):
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) on this machine")
+    out = subprocess.run([nm, "-D", "--defined-only", str(tc.get().so_path)], capture_output=True, text=True,
+                         check=True).stdout
+    functions = {line.split()[-1] for line in out.splitlines() if len(line.split()) == 3 and line.split()[1] == "T"}
+    assert functions == {"fqt_abi_version", "fqt_plan_json", "fqt_gdn_fwd_workspace_bytes", "fqt_gdn_fwd",
+                         "fqt_error_string"}
+
+
+@pytest.mark.slow
+@needs_nvcc
 def test_cli_cache_ls_and_clear(tc, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(tmp_path / "envcache"))
     entry = cache.get_kernel(PLAN, tc.renderer, tc.config)
@@ -349,6 +363,17 @@ SHIPPED_PLANS = (
 SPILL_BUDGET_BYTES = 64
 
 
+def gnu_unique_symbols(library: Path) -> list[str]:
+    """The library's GNU-unique dynamic symbols (nm type 'u'): the loader binds each to one copy per
+    process even under RTLD_LOCAL, which once made two libraries of one plan share the launcher's
+    per-device setup (csrc/gdn_abi.h, FQT_EXPORT)."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils) on this machine")
+    out = subprocess.run([nm, "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True).stdout
+    return [line.split()[-1] for line in out.splitlines() if len(line.split()) == 3 and line.split()[1] == "u"]
+
+
 @pytest.mark.slow
 @needs_nvcc
 def test_shipped_plans_compile_for_sm90a_on_tensor_cores_and_tma(tmp_path):
@@ -370,6 +395,9 @@ def test_shipped_plans_compile_for_sm90a_on_tensor_cores_and_tma(tmp_path):
                 f"{entry.plan.name}: ptxas serialized the wgmma pipeline of {name}: {r['wgmma_serialized']}"
             assert r["spill_stores"] <= SPILL_BUDGET_BYTES and r["spill_loads"] <= SPILL_BUDGET_BYTES, \
                 f"{entry.plan.name}: {name} spills {r} beyond the {SPILL_BUDGET_BYTES} B budget"
+        unique = gnu_unique_symbols(entry.so_path)
+        assert not unique, f"{entry.plan.name}: GNU-unique symbols would be shared with another library " \
+                           f"of this plan in the process: {unique[:3]}"
         summary = sass.instruction_counts(entry.so_path)
         fwd = [f for f in summary.per_function if "gdn_fwd_kernel" in f]
         assert fwd, f"{entry.plan.name}: no gdn_fwd_kernel in {list(summary.per_function)}"

@@ -103,3 +103,55 @@ def run_worker(journal_root: str, max_trials: int, seed: int) -> None:
     study = open_study(spec, "SyntheticGPU", Path(journal_root), seed=seed)
     lock = study_path(spec, "SyntheticGPU", Path(journal_root)).with_suffix(".enqueue.lock")
     BatchTuner(spec, study, synthetic_measurement(), batch_size=2, max_trials=max_trials, lock_path=lock).run()
+
+
+# ---- doubles that run inside isolation.py's measuring process (the isolation tests) ----
+
+_CONTEXT_LOST = False   # this process's synthetic stand-in for a sticky CUDA error
+
+
+class FaultingChecker:
+    """Checks like a GPU whose kernels can fault, hang or kill the process, synthetically:
+    stages in fault_stages 'fault' and, like a sticky CUDA error, every later check or timing in
+    the same process fails too; stages in hang_stages never answer; prep_threads in
+    crash_prep_threads end the process."""
+
+    def __init__(self, fault_stages=(), hang_stages=(), crash_prep_threads=()):
+        self.fault_stages, self.hang_stages = tuple(fault_stages), tuple(hang_stages)
+        self.crash_prep_threads = tuple(crash_prep_threads)
+
+    def check(self, plan, handle):
+        global _CONTEXT_LOST
+        import os
+        import time
+
+        if _CONTEXT_LOST:
+            raise RuntimeError("synthetic: the context is already lost")
+        if plan.tiles.stages in self.fault_stages:
+            _CONTEXT_LOST = True
+            raise RuntimeError("synthetic illegal instruction")
+        if plan.tiles.stages in self.hang_stages:
+            time.sleep(3600)
+        if plan.tiles.prep_threads in self.crash_prep_threads:
+            os._exit(3)
+        return CheckResult(True, {"o": 1e-3, "state": 2e-3}, f"pid {os.getpid()}")
+
+
+class LosableSyntheticTimer(SyntheticTimer):
+    """SyntheticTimer that fails once FaultingChecker has 'lost the context' of this process."""
+
+    def time(self, plan, handle):
+        if _CONTEXT_LOST:
+            raise RuntimeError("synthetic: the context is already lost")
+        return super().time(plan, handle)
+
+
+def faulting_measurement(fault_stages=(), hang_stages=(), crash_prep_threads=()) -> Measurement:
+    """The measuring process's side (no builder): FaultingChecker, LosableSyntheticTimer and a
+    context probe that reports the synthetic loss."""
+    return Measurement(None, FaultingChecker(fault_stages, hang_stages, crash_prep_threads), LosableSyntheticTimer(),
+                       context_alive=lambda: not _CONTEXT_LOST)
+
+
+def failing_setup() -> Measurement:
+    raise RuntimeError("synthetic: no GPU in the measuring process")

@@ -29,11 +29,17 @@ def require_tuning_gpu() -> environment.GPUInfo:
 def tune_spec(spec: GDNSpec, gpu_name: str, *, budget_s: float | None = None, max_trials: int | None = None,
               jobs: int | None = None, seed: int | None = None, root=None, progress: bool = True,
               measurement=None) -> TuneResult:
-    """Run (or resume) the study of spec on gpu_name until the budget or trial cap."""
+    """Run (or resume) the study of spec on gpu_name until the budget or trial cap. The
+    measurement (the GPU one by default) is closed on return: its measuring process ends."""
     spec = kernel_spec(spec)
     jobs = jobs or max(1, os.cpu_count() or 1)
-    study = open_study(spec, gpu_name, root, seed=seed)
-    lock = study_path(spec, gpu_name, root).with_suffix(".enqueue.lock")
-    tuner = BatchTuner(spec, study, measurement or gpu_measurement(jobs), batch_size=jobs, budget_s=budget_s,
-                       max_trials=max_trials, progress=progress, lock_path=lock)
-    return tuner.run()
+    measurement = measurement or gpu_measurement(jobs)
+    try:
+        study = open_study(spec, gpu_name, root, seed=seed)
+        lock = study_path(spec, gpu_name, root).with_suffix(".enqueue.lock")
+        tuner = BatchTuner(spec, study, measurement, batch_size=jobs, budget_s=budget_s,
+                           max_trials=max_trials, progress=progress, lock_path=lock)
+        return tuner.run()
+    finally:
+        if measurement.close is not None:
+            measurement.close()

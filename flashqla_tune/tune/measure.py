@@ -4,6 +4,7 @@ rotated inputs over the scoreboard's length mix. Needs nvcc (build) and an sm_90
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import secrets
@@ -15,6 +16,7 @@ from ..bench.inputs import make_inputs, make_rotation
 from ..bench.timing import CudaTimer, rotation_count
 from ..build import BuildError
 from ..plan import KernelPlan
+from .isolation import CallTimeouts, isolated
 from .trial import BuildOutcome, CheckResult, Measurement
 
 CHECK_SEQLENS = (700, 1100, 37)   # a chunk tail, a multi-chunk row and a sub-chunk row
@@ -156,6 +158,31 @@ class GraphAnchorTimer:
         return out
 
 
-def gpu_measurement(jobs: int | None = None, seqlens=SEQLENS, anchors=("fla", "flashqla")) -> Measurement:
+def cuda_context_alive() -> bool:
+    """Whether this process can still run work on its GPU: a kernel fault is sticky, after it
+    every synchronize and launch fails."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:
+        return False
+
+
+def in_process_gpu_measurement(seqlens=SEQLENS, anchors=("fla", "flashqla")) -> Measurement:
+    """Checker, timer and anchor timer on this process's GPU (no builder): what the measuring
+    process of isolation.py runs."""
     timer = GraphTimer(seqlens)
-    return Measurement(CacheBuilder(jobs), OracleChecker(), timer, GraphAnchorTimer(timer, anchors) if anchors else None)
+    return Measurement(None, OracleChecker(), timer, GraphAnchorTimer(timer, anchors) if anchors else None,
+                       context_alive=cuda_context_alive)
+
+
+def gpu_measurement(jobs: int | None = None, seqlens=SEQLENS, anchors=("fla", "flashqla"),
+                    timeouts: CallTimeouts = CallTimeouts()) -> Measurement:
+    """Builds here; checks and times in a child process (isolation.py), so a config that faults or
+    hangs costs its own trial only."""
+    factory = functools.partial(in_process_gpu_measurement, tuple(tuple(s) for s in seqlens), tuple(anchors or ()))
+    return isolated(CacheBuilder(jobs), factory, anchors=bool(anchors), timeouts=timeouts)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..plan import KernelPlan, PlanError, TileParams, default_tiles
+from ..plan import MAX_SETMAXNREG, KernelPlan, PlanError, TileParams, default_tiles
 from ..spec import GDNSpec
 
-REGISTER_STEPS = tuple(range(24, 257, 8))   # setmaxnreg's legal values
+REGISTER_STEPS = tuple(range(24, MAX_SETMAXNREG + 1, 8))   # setmaxnreg's values that plans accept
 SPACE: dict[str, tuple[int, ...]] = {
     "block_v": (64, 128),
     "stages": (1, 2, 3),

@@ -6,7 +6,8 @@ stage as "stage"):
   invalid     the tiles fail KernelPlan validation (never built)
   duplicate   another trial already took these tiles (never built)
   compile     nvcc/ninja failed for this plan
-  launch      loading or launching the library raised
+  launch      loading or launching the library raised, faulted or hung (checks and timings run in
+              a child process, tune/isolation.py, replaced after a fault, so the next trial is clean)
   wrong       the result misses the oracle (never timed; the error numbers are kept)
   complete    value = sum over the length mix of the median graph-replay time (ms)
 
@@ -63,12 +64,20 @@ class AnchorTimer(Protocol):
     def time(self, spec: GDNSpec) -> dict[str, dict]: ...
 
 
+class MeasurementUnavailable(RuntimeError):
+    """Nothing can be measured (the measuring process cannot start): stops the run instead of
+    pruning every trial with the same reason."""
+
+
 @dataclass
 class Measurement:
     builder: Builder
     checker: Checker
     timer: Timer
     anchors: AnchorTimer | None = None   # timed once per run, after the search
+    # False once this process's GPU context is lost (isolation.py restarts the measuring process)
+    context_alive: Callable[[], bool] | None = None
+    close: Callable[[], None] | None = None   # ends what the measurement holds (isolation's child)
 
 
 @dataclass
@@ -208,6 +217,8 @@ class BatchTuner:
             return
         try:
             check = self.m.checker.check(plan, outcome.handle)
+        except MeasurementUnavailable:
+            raise
         except Exception as exc:   # a launch or load failure is a property of this config
             _prune(self.study, trial, "launch", f"correctness run failed: {_short(exc)}")
             return
@@ -219,6 +230,8 @@ class BatchTuner:
         trial.set_user_attr("check_errors", check.errors)
         try:
             times = self.m.timer.time(plan, outcome.handle)
+        except MeasurementUnavailable:
+            raise
         except Exception as exc:
             _prune(self.study, trial, "launch", f"timing run failed: {_short(exc)}")
             return
