@@ -17,7 +17,7 @@ from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune import report
 from flashqla_tune.tune.search_space import SPACE, known_good, params_of, tiles_from_params
 from flashqla_tune.tune.study import open_study, study_name, study_path
-from flashqla_tune.tune.trial import BatchTuner
+from flashqla_tune.tune.trial import BatchTuner, TuneResult, best_trial, slower_mixes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tune_doubles import (FailingAnchorTimer, FakeClock, SyntheticAnchorTimer, SyntheticTimer,  # noqa: E402
@@ -234,3 +234,25 @@ def test_the_table_shows_the_gain_on_each_mix(tmp_path):
     assert len(best) > 1 and all(mix in line for mix in best)
     first = next(iter(best))
     assert f"{first} {default[first] / best[first]:.3f}x" in line
+
+
+def test_best_is_never_slower_than_the_default_on_a_mix():
+    def trial(number, **times):
+        tiles = default_tiles(SPEC) if number == 0 else TileParams(stages=number)
+        t = optuna.trial.create_trial(value=sum(times.values()), user_attrs={"times_ms": times},
+                                      params=params_of(tiles),
+                                      distributions={k: optuna.distributions.CategoricalDistribution(v)
+                                                     for k, v in SPACE.items()})
+        t.number = number
+        return t
+
+    default = trial(0, a=1.0, b=1.0)
+    lopsided = trial(1, a=0.5, b=1.05)   # 27% faster in sum, 5% slower on mix b
+    even = trial(2, a=0.95, b=1.0)
+    assert slower_mixes(lopsided, default) == ["b"] and slower_mixes(even, default) == []
+    assert best_trial([default, lopsided, even], default) is even
+    assert best_trial([default, lopsided], default) is default
+    assert best_trial([default, lopsided], None) is lopsided   # no measured default: the sum decides
+    res = TuneResult(SPEC, "synthetic", even, default, [default, lopsided, even], 3, "trial cap")
+    text = report.table(res)
+    assert "(slower on b: not eligible)" in text and "best: trial 2" in text

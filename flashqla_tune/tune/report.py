@@ -8,7 +8,7 @@ from optuna.trial import TrialState
 
 from ..plan import default_tiles
 from .search_space import params_of
-from .trial import TuneResult
+from .trial import MIX_TOLERANCE, TuneResult, slower_mixes
 
 TOP = 10
 
@@ -43,12 +43,16 @@ def table(result: TuneResult, top: int = TOP) -> str:
     for t in done[:top]:
         speed = f"{base / t.value:.3f}x" if base and t.value else "n/a"
         mark = "  (default)" if t.params == default_params else ""
+        if result.default is not None and t.params != default_params:
+            worse = slower_mixes(t, result.default)
+            mark += f"  (slower on {', '.join(worse)}: not eligible)" if worse else ""
         lines.append(f"{t.number:>5}  {_tiles(t.params):<26} {t.value:>18.4f}  {speed:>10}{mark}")
     if base is None:
         lines.append("default tiles not measured yet: no speedup to report")
     elif result.best is not None:
         lines.append(f"best: trial {result.best.number} ({_tiles(result.best.params)}), "
-                     f"{result.speedup:.3f}x the default's {base:.4f} ms")
+                     f"{result.speedup:.3f}x the default's {base:.4f} ms, no mix slower than the default "
+                     f"by more than {MIX_TOLERANCE:.0%}")
         per_mix = _per_mix_speedups(result.best, result.default)
         if per_mix:
             lines.append("  per mix (default ms / best ms): " + ", ".join(f"{mix} {r:.3f}x" for mix, r in per_mix))
