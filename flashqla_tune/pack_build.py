@@ -229,7 +229,9 @@ def tune_segments(cal, plan: KernelPlan, model_lengths: tuple[int, ...], log, ti
     time_fn = time_fn or gpu_time_fn(plan, warmup, eps)
     max_window = WarmupProfile.from_calibration(cal).max_window
     result = tune_segment_table(model_lengths, max_window, time_fn)
-    log(f"segments {plan.name}: {describe_splits(result.lengths)} (cost model: {describe_splits(result.model_lengths)})")
+    gains = ", ".join(f"{t} tokens {g:.3f}x" for t, g in sorted(result.gains().items()))
+    log(f"segments {plan.name}: {describe_splits(result.lengths)} (cost model: {describe_splits(result.model_lengths)}); "
+        f"measured choice vs the cost model's: {gains}")
     return result.lengths, result.record()
 
 

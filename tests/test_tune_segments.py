@@ -50,6 +50,14 @@ def test_each_scoreboard_bucket_keeps_its_best_hedged_length_and_others_keep_the
     assert timing["score"] == pytest.approx(math.sqrt(timing["alone"] * timing["batch"]))
     record = result.record()
     assert record["lengths"] == list(result.lengths) and record["batch"] == BATCH
+    # the gain over the cost model's entry: 1.0 where it was kept, its score ratio where it moved
+    gains = result.gains()
+    assert gains[2048] == 1.0   # the model already had no split there
+    for tokens, chosen in ((8192, 32), (32768, 64)):
+        by_length = result.timings[tokens]
+        assert gains[tokens] == pytest.approx(by_length[model[bucket_of(tokens)]]["score"] / by_length[chosen]["score"])
+    assert gains[32768] > 1.0   # the model's 32 lost to the timed 64
+    assert record["gain_over_model"] == {str(t): g for t, g in gains.items()}
     assert set(record["timings_ms"]["32768"]) == {str(L) for L in candidates(32768, model[9], 5)}
 
 

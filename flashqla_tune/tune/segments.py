@@ -47,10 +47,22 @@ class SegmentTuning:
     model_lengths: tuple[int, ...]                 # the cost model's, which it started from
     timings: dict[int, dict[int, dict[str, float]]]  # tokens -> segment length -> {"alone", "batch", "score"} ms
 
+    def gains(self) -> dict[int, float]:
+        """Per tuned length: the cost model's choice's score over the chosen one's (above 1: the
+        measured choice is faster; 1.0 where both are the same length)."""
+        out = {}
+        for tokens, by_length in self.timings.items():
+            b, chunks = bucket_of(tokens), -(-tokens // 64)
+            model = self.model_lengths[b] if 0 < self.model_lengths[b] < chunks else 0
+            chosen = self.lengths[b] if 0 < self.lengths[b] < chunks else 0
+            if model in by_length and chosen in by_length:
+                out[tokens] = by_length[model]["score"] / by_length[chosen]["score"]
+        return out
+
     def record(self) -> dict:
         """What the pack's manifest keeps (JSON: string keys)."""
         return {"lengths": list(self.lengths), "model_lengths": list(self.model_lengths),
-                "batch": BATCH,
+                "batch": BATCH, "gain_over_model": {str(t): g for t, g in self.gains().items()},
                 "timings_ms": {str(t): {str(L): v for L, v in by_length.items()}
                                for t, by_length in self.timings.items()}}
 
