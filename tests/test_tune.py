@@ -256,3 +256,11 @@ def test_best_is_never_slower_than_the_default_on_a_mix():
     res = TuneResult(SPEC, "synthetic", even, default, [default, lopsided, even], 3, "trial cap")
     text = report.table(res)
     assert "(slower on b: not eligible)" in text and "best: trial 2" in text
+
+
+def test_enqueued_configs_nobody_asked_for_are_not_a_worker(tmp_path):
+    tuner, _ = _tuner(tmp_path, max_trials=1)
+    res = tuner.run()
+    assert any(t.state == TrialState.WAITING for t in res.trials)   # known-good configs still queued
+    lines = report.worker_lines(res.trials)
+    assert len(lines) == 1 and "worker ?" not in lines[0] and "1 measured" in lines[0]

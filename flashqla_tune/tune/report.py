@@ -21,7 +21,9 @@ def _tiles(params: dict) -> str:
 
 
 def worker_lines(trials) -> list[str]:
-    """How workers sharing the journal split the study: trials each asked for and measured."""
+    """How workers sharing the journal split the study: trials each asked for and measured
+    (enqueued configs no worker has asked for yet are not counted)."""
+    trials = [t for t in trials if t.state != TrialState.WAITING]
     asked = Counter(t.user_attrs.get("worker", "?") for t in trials)
     measured = Counter(t.user_attrs.get("worker", "?") for t in trials if t.state == TrialState.COMPLETE)
     return [f"worker {w}: {asked[w]} trials, {measured[w]} measured" for w in sorted(asked)]
