@@ -9,12 +9,13 @@ import math
 import os
 import secrets
 
-from .. import cache, runtime
+from .. import cache, runtime, warmup as warmup_tables
 from ..bench.accuracy import rel_l2
 from ..bench.cases import SEQLENS, Case, format_seqlens
 from ..bench.inputs import make_inputs, make_rotation
 from ..bench.timing import CudaTimer, rotation_count
 from ..build import BuildError
+from ..cp_plan import SEGMENT_BUCKETS
 from ..plan import KernelPlan
 from .isolation import CallTimeouts, isolated
 from .trial import BuildOutcome, CheckResult, Measurement
@@ -52,18 +53,31 @@ def _dtype(plan: KernelPlan):
     return torch.bfloat16 if plan.spec.qkv_dtype == "bfloat16" else torch.float16
 
 
-def forward_on_inputs(plan: KernelPlan, x, out=None, final_out=None, prep_schedule: str = "auto"):
+def forward_on_inputs(plan: KernelPlan, x, out=None, final_out=None, prep_schedule: str = "auto", **cp):
     """Run plan on a protocol input set, whose states are [N,Hv,K,V]; a state_v_first plan gets
-    them transposed in and gives them back transposed, so results compare with the oracle."""
+    them transposed in and gives them back transposed, so results compare with the oracle. cp:
+    runtime.forward's context-parallel arguments (warmup, warmup_eps, segment_lengths)."""
     vk = plan.spec.state_layout == "vk"
     h0 = x.initial_state.transpose(-1, -2).contiguous() if vk else x.initial_state
     o, s = runtime.forward(plan, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens_long, h0, x.scale,
-                           True, False, out=out, final_out=final_out, prep_schedule=prep_schedule)
+                           True, False, out=out, final_out=final_out, prep_schedule=prep_schedule, **cp)
     return o, (s.transpose(-1, -2) if vk else s)
 
 
+def forced_cp_arguments(num_v_heads: int) -> dict:
+    """Context parallelism on the checker's short sequences: the op's default warm-up table and
+    eps, and every length bucket cut into segments one chunk longer than the window, so the
+    700- and 1100-token sequences split in two. A pack runs its plan this way, so a config whose
+    CP kernels (the state pass, the chain) fail is rejected like one whose chain fails."""
+    length = warmup_tables.DEFAULT_WINDOW_CHUNKS + 1
+    return {"warmup": warmup_tables.default_table(num_v_heads), "warmup_eps": warmup_tables.DEFAULT_EPS,
+            "segment_lengths": (length,) * SEGMENT_BUCKETS}
+
+
 class OracleChecker:
-    """Fresh random protocol inputs per check (a new seed each time), outputs poisoned with NaN."""
+    """Fresh random protocol inputs per check (a new seed each time), outputs poisoned with NaN;
+    the plan runs twice, as one chain per sequence and with context parallelism forced
+    (forced_cp_arguments), and both must meet the tolerance."""
 
     def __init__(self, tolerance: float = CHECK_TOLERANCE, device: str = "cuda"):
         self.tolerance, self.device = tolerance, device
@@ -77,17 +91,22 @@ class OracleChecker:
         seed = secrets.randbelow(2**31)
         x = make_inputs(Case(spec.num_qk_heads, spec.num_v_heads, CHECK_SEQLENS), self.device, seed=seed,
                         dtype=_dtype(plan))
-        out = torch.full_like(x.v, float("nan"))
-        final = torch.full(x.initial_state.shape, float("nan"), dtype=torch.float32, device=x.v.device)
-        if spec.state_layout == "vk":
-            final = final.transpose(-1, -2).contiguous()
+
+        def poisoned():
+            final = torch.full(x.initial_state.shape, float("nan"), dtype=torch.float32, device=x.v.device)
+            return torch.full_like(x.v, float("nan")), (final.transpose(-1, -2).contiguous()
+                                                        if spec.state_layout == "vk" else final)
+
         with torch.no_grad():
-            o, s = forward_on_inputs(plan, x, out, final)
-            torch.cuda.synchronize()
+            o, s = forward_on_inputs(plan, x, *poisoned())
+            o_cp, s_cp = forward_on_inputs(plan, x, *poisoned(), **forced_cp_arguments(spec.num_v_heads))
+            if x.v.is_cuda:
+                torch.cuda.synchronize()
             ref_o, ref_s = chunk_gated_delta_rule_chunked(
                 x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.initial_state,
                 output_final_state=True, cu_seqlens=x.cu_seqlens_long)
-        errors = {"o": rel_l2(o, ref_o), "state": rel_l2(s, ref_s)}
+        errors = {"o": rel_l2(o, ref_o), "state": rel_l2(s, ref_s),
+                  "o_cp": rel_l2(o_cp, ref_o), "state_cp": rel_l2(s_cp, ref_s)}
         ok = all(math.isfinite(e) and e <= self.tolerance for e in errors.values())
         return CheckResult(ok, errors, f"seed {seed}, tolerance {self.tolerance:g}")
 

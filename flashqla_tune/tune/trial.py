@@ -8,7 +8,8 @@ stage as "stage"):
   compile     nvcc/ninja failed for this plan
   launch      loading or launching the library raised, faulted or hung (checks and timings run in
               a child process, tune/isolation.py, replaced after a fault, so the next trial is clean)
-  wrong       the result misses the oracle (never timed; the error numbers are kept)
+  wrong       the result misses the oracle, as one chain or with context parallelism forced
+              (never timed; the error numbers are kept)
   complete    value = sum over the length mix of the median graph-replay time (ms)
 
 The builder, checker and timer are injected (see measure.py for the GPU ones), so the same
