@@ -122,14 +122,6 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     model = read_model_config(ckpt)
     heads = plan_heads(model.spec, tp_sizes)
     gpu = environment.gpu_info() if tune else None
-    if compare_anchors:
-        # the calibration's transformers model imports FLA when it is installed, and FLA reads this
-        # at import: without it FLA dispatches to FlashQLA and its column would time FlashQLA
-        if "fla" not in sys.modules:
-            os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
-        elif os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1":
-            log("build: fla was imported before FLA_DISABLE_BACKEND_DISPATCH=1 was set, so the FLA column "
-                "will be skipped; set it in the environment to compare FLA")
     if tune and gpu is None:
         log("build: no CUDA GPU here, so the pack keeps the default tiles (untuned sm_90a)")
     elif tune and gpu.capability != (9, 0):

@@ -8,7 +8,7 @@ from optuna.trial import TrialState
 
 from ..plan import default_tiles
 from .search_space import params_of
-from .trial import MIX_TOLERANCE, TuneResult, slower_mixes
+from .trial import MIX_TOLERANCE, TuneResult, per_mix_speedups, slower_mixes
 
 TOP = 10
 
@@ -27,12 +27,6 @@ def worker_lines(trials) -> list[str]:
     asked = Counter(t.user_attrs.get("worker", "?") for t in trials)
     measured = Counter(t.user_attrs.get("worker", "?") for t in trials if t.state == TrialState.COMPLETE)
     return [f"worker {w}: {asked[w]} trials, {measured[w]} measured" for w in sorted(asked)]
-
-
-def _per_mix_speedups(best, default) -> list[tuple[str, float]]:
-    """The best config's gain on each length mix: a sum can hide a mix where it loses."""
-    mine, base = best.user_attrs.get("times_ms") or {}, default.user_attrs.get("times_ms") or {}
-    return [(mix, base[mix] / ms) for mix, ms in mine.items() if mix in base and ms > 0]
 
 
 def table(result: TuneResult, top: int = TOP) -> str:
@@ -55,9 +49,10 @@ def table(result: TuneResult, top: int = TOP) -> str:
         lines.append(f"best: trial {result.best.number} ({_tiles(result.best.params)}), "
                      f"{result.speedup:.3f}x the default's {base:.4f} ms, no mix slower than the default "
                      f"by more than {MIX_TOLERANCE:.0%}")
-        per_mix = _per_mix_speedups(result.best, result.default)
+        # the best config's gain on each length mix: a sum can hide a mix where it loses
+        per_mix = per_mix_speedups(result.best, result.default)
         if per_mix:
-            lines.append("  per mix (default ms / best ms): " + ", ".join(f"{mix} {r:.3f}x" for mix, r in per_mix))
+            lines.append("  per mix (default ms / best ms): " + ", ".join(f"{mix} {r:.3f}x" for mix, r in per_mix.items()))
     if not result.anchors and result.best is not None:
         lines.append("anchors: not timed in this run (`flashqla-tune tune`, `build --compare-anchors` or "
                      "`flashqla-tune bench` compares FLA and FlashQLA)")

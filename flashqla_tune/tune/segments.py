@@ -53,8 +53,7 @@ class SegmentTuning:
         out = {}
         for tokens, by_length in self.timings.items():
             b, chunks = bucket_of(tokens), -(-tokens // 64)
-            model = self.model_lengths[b] if 0 < self.model_lengths[b] < chunks else 0
-            chosen = self.lengths[b] if 0 < self.lengths[b] < chunks else 0
+            model, chosen = (L if 0 < L < chunks else 0 for L in (self.model_lengths[b], self.lengths[b]))
             if model in by_length and chosen in by_length:
                 out[tokens] = by_length[model]["score"] / by_length[chosen]["score"]
         return out

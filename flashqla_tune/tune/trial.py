@@ -121,10 +121,15 @@ class TuneResult:
 MIX_TOLERANCE = 0.01
 
 
+def per_mix_speedups(trial, default) -> dict[str, float]:
+    """trial's gain over default on each length mix both timed (default ms / trial ms)."""
+    mine, base = trial.user_attrs.get("times_ms") or {}, default.user_attrs.get("times_ms") or {}
+    return {mix: base[mix] / ms for mix, ms in mine.items() if mix in base and ms > 0}
+
+
 def slower_mixes(trial, default, tolerance: float = MIX_TOLERANCE) -> list[str]:
     """The length mixes on which trial is slower than default by more than tolerance."""
-    mine, base = trial.user_attrs.get("times_ms") or {}, default.user_attrs.get("times_ms") or {}
-    return [mix for mix, ms in mine.items() if mix in base and ms > base[mix] * (1 + tolerance)]
+    return [mix for mix, gain in per_mix_speedups(trial, default).items() if gain * (1 + tolerance) < 1]
 
 
 def best_trial(done: list, default=None):
@@ -317,8 +322,9 @@ class BatchTuner:
 
     def result(self, stopped: str = "") -> TuneResult:
         trials = self.study.get_trials(deepcopy=False)
-        default = self._default_trial([t for t in trials if t.state == TrialState.COMPLETE])
-        best = self._best()
+        done = [t for t in trials if t.state == TrialState.COMPLETE]
+        default = self._default_trial(done)
+        best = best_trial(done, default)
         return TuneResult(self.spec, self.study.study_name, best, default,
                           trials, self.evaluated, stopped, self._time_anchors() if best is not None else {})
 
