@@ -405,13 +405,19 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         }
       }
 
-      // 5. P with the decay mask (two columns per store), and the slot's gamma row.
-      for (int h = 0; h < (prep_runs(kAblatePOut) ? nb : 0); ++h) {
+      // 5. P with the decay mask (two columns per store), and the slot's gamma row. When the solve
+      //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
+      //    128 threads, two on 16/32 with 256), those threads write all of P while the others
+      //    solve, which takes P off the item's critical path; otherwise every thread writes its
+      //    share after its column. P reads only the Q K^T tile and the gates, both final here.
+      const int p_first = nb * kChunk < Threads ? nb * kChunk : 0;
+      const int p_threads = Threads - p_first, ptid = tid - p_first;
+      for (int h = 0; h < (prep_runs(kAblatePOut) && ptid >= 0 ? nb : 0); ++h) {
         const int hv = hqk * G + hb + h;
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
         uint32_t* pm = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.p) + base);
         const float* gam = ss.gamma[h];
-        for (int idx = tid; idx < kChunk * kChunk / 2; idx += Threads) {
+        for (int idx = ptid; idx < kChunk * kChunk / 2; idx += p_threads) {
           const int i = (2 * idx) / kChunk, j = (2 * idx) % kChunk;
           float pv[2] = {0.f, 0.f};
           for (int t = 0; t < 2; ++t) {
@@ -419,7 +425,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           }
           pm[idx] = pack2<Elem>(pv[0], pv[1]);
         }
-        if (tid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + tid] = gam[min(tid, L - 1)];
+        if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
       }
       __syncthreads();
     }
