@@ -27,11 +27,13 @@ trap save_tuning EXIT  # also when a timeout cuts the build: the journal is what
 python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.txt"
 STEP=${1:-tests}
 if [ "$STEP" = workers ]; then
-# Issue 6, part 4, on one GPU: two tuner processes share one journal (--study-dir) and split the
-# trials; each closing table lists the trials per worker. TUNE_BUDGET seconds each (default 240).
+# Issue 6, part 4: two tuner processes share one journal (--study-dir) and split the trials; each
+# closing table lists the trials per worker. TUNE_BUDGET seconds each (default 240). On one GPU
+# both share it; WORKER_GPUS=2 (on an nvidia-h200-x2 machine) gives each worker its own.
 jobs=$(( $(nproc) / 2 ))
 for w in 1 2; do
-  python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
+  gpu=0; [ "${WORKER_GPUS:-1}" = 2 ] && gpu=$(( w - 1 ))
+  CUDA_VISIBLE_DEVICES=$gpu python3 -c "from flashqla_tune.cli import main; import sys; sys.exit(main(sys.argv[1:]))" \
     tune --hqk 2 --hv 8 --study-dir "$OUT/study" --budget "${TUNE_BUDGET:-240}" --jobs "$jobs" --no-progress \
     > "$OUT/worker$w.log" 2>&1 &
 done
