@@ -2,7 +2,7 @@
 # The next session's kernel calls (carry [".whl-bench", ".anchors"]), one step per device call:
 #   bash scripts/h200_next_session.sh tests       GPU tests of the forward on the current kernel
 #                                                 and the per-kernel profile
-#   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call
+#   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
 #   bash scripts/h200_next_session.sh sweep       plan variants (scripts/tile_sweep.py), oracle-checked and timed
 #   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
 #                                                 2/8 and 4/16 scoreboard rows that fit
@@ -57,7 +57,8 @@ case "${1:-tests}" in
     for i in 0 1 2; do grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -n 1; done
     timeout 150 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
   host)
-    timeout 150 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2 ;;
+    # with .anchors carried, FLA and FlashQLA are timed too (their first calls compile: ~1-2 min)
+    timeout 300 python3 scripts/host_overhead.py "$OUT" 2>&1 | tail -n 2 ;;
   sweep)
     timeout 560 python3 scripts/tile_sweep.py "$OUT" > "$OUT/tile_sweep.log" 2>&1
     tail -n 45 "$OUT/tile_sweep.log" | cut -c1-220 ;;

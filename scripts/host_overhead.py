@@ -11,8 +11,12 @@ back-to-back calls (the GPU runs behind; nothing synchronises inside the loop):
   launch    the library call alone with a prepared struct (TMA descriptors, two launches)
   empty     one torch.empty of the workspace;  stream  torch's current stream handle
   checks    ops.check_inputs
+  fla_*, flashqla_*   FLA's and FlashQLA's calls on the same protocol inputs (2048 and 32768 tokens)
+            in the same run, where their packages are installed (carry .anchors). An
+            implementation that synchronises the host with the GPU inside its call (FlashQLA's
+            CP planning does) shows max(host, GPU) here, which is what an eager caller waits.
 
-    python -P scripts/host_overhead.py OUT_DIR
+    FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/host_overhead.py OUT_DIR
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from flashqla_tune import abi, ops, runtime
 from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.impls import call, load_impls
 from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
 
 CALLS = 200
@@ -89,6 +94,13 @@ def main(out_dir: str) -> int:
             "stream": per_call_us(lambda: runtime.current_stream_handle(v.device)),
             "checks": per_call_us(lambda: ops.check_inputs(q, k, v, g, beta, h0, cu, None, False)),
         }
+        short = make_rotation(Case(2, 8, (T,)), 1, dev)[0]
+        anchors, skipped = load_impls(["fla", "flashqla"])
+        for impl in anchors:
+            result[f"{impl.name}_2k"] = per_call_us(lambda: call(impl, short))
+            result[f"{impl.name}_32k"] = per_call_us(lambda: call(impl, long), long_calls)
+        for name, why in skipped.items():
+            result[f"{name}_skipped"] = why
     result["unit"] = f"us per call, mean of {CALLS} back-to-back calls ({long_calls} for the 32k ones)"
     print(json.dumps(result))
     with open(f"{out_dir}/host_overhead.json", "w") as f:
