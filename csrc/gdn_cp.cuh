@@ -11,8 +11,12 @@
 //                       if the guard holds on this input) or, for exact boundaries, the previous
 //                       segment's H (end state from zero) and M (transition) jobs.
 //   phase 1             the sequential kernel over the H, M and window jobs (state only).
-//   cp_chain_kernel     exact boundaries in order: S_j = M_{j-1} S_{j-1} + H_{j-1}, fp32.
-//   phase 3             the sequential kernel over the forward jobs, each from its boundary state.
+//   cp_chain_kernel     exact boundaries in order: S_j = M_{j-1} S_{j-1} + H_{j-1}, fp32, on a
+//                       side stream of higher priority, while
+//   phase 3a            the sequential kernel runs the forward jobs that start from h0 or a warm-up
+//                       state (they need nothing from the chain), while
+//   phase 3b            the forward jobs that start from a chained state, after the chain on its
+//                       side stream, beside phase 3a; the caller's stream then waits for both.
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
 // the guard), so a sequence's output is the same bit for bit whatever it is batched with.
 #pragma once
@@ -176,6 +180,7 @@ __global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs
         m_job = CpJob{r.start + p0 * kChunk, L * kChunk, r.slot0 + p0, nullptr, a.m_end + row * int64_t(K) * K,
                       kJobIdentityState | kJobZeroV | kJobNoOutput, 0};
         exact = true;
+        fwd.flags |= kJobChained;
       }
     }
   }

@@ -26,6 +26,14 @@ struct DeviceSetup {
   cudaError_t error = cudaSuccess;
   int sm_count = 0;
   int prep_ctas_per_sm = 1;
+  // Context parallelism forks the exact chain onto a side stream of the highest priority, so its
+  // CTAs take SMs first while the unchained forward jobs fill the rest; the chained forward jobs
+  // follow the chain there, and the caller's stream joins the side stream after both. One fork at
+  // a time per device: the events are shared.
+  cudaStream_t chain_stream = nullptr;
+  cudaEvent_t states_done = nullptr;
+  cudaEvent_t chain_done = nullptr;
+  std::mutex fork;
 };
 
 // Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P, then the
@@ -67,7 +75,8 @@ struct Workspace {
 // After the prep: plan the segments and jobs, the state pass, the exact chain, the forward pass.
 template <class Cfg>
 cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* base, FwdParams<Cfg> fp,
-                              int sm_count, cudaStream_t stream) {
+                              DeviceSetup& setup, cudaStream_t stream) {
+  const int sm_count = setup.sm_count;
   static_assert(Cfg::HeadK == Cfg::HeadV, "a transition job (S = I) needs K = V");
   const int64_t S = ws.segments;
   CpPlanArgs pa{a.cu_seqlens,
@@ -106,21 +115,37 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
   const dim3 tiles_heads(Cfg::HeadV / Cfg::BlockV, Cfg::Hv);
   gdn_fwd_kernel<Cfg, true><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(3 * S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+  // Fork: the chain needs the state pass; the unchained forward jobs need only the state pass too.
+  std::lock_guard<std::mutex> hold(setup.fork);  // the shared events stay paired with this call
+  cudaStream_t side = setup.chain_stream;
+  if ((err = cudaEventRecord(setup.states_done, stream)) != cudaSuccess) return err;
+  if ((err = cudaStreamWaitEvent(side, setup.states_done, 0)) != cudaSuccess) return err;
   // Narrow column slices put more SMs on the chain while they fit in one wave (the results are
   // the same bit for bit).
   if (a.num_seqs * Cfg::Hv * (Cfg::HeadV / 8) <= sm_count) {
     cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 8>
         <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 8), kChainThreads, chain_smem_bytes<Cfg::HeadK, 8>(),
-           stream>>>(pa);
+           side>>>(pa);
   } else {
     cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 16>
         <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 16), kChainThreads, chain_smem_bytes<Cfg::HeadK, 16>(),
-           stream>>>(pa);
+           side>>>(pa);
   }
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // The jobs that start from a chained state follow the chain on the side stream, and the others
+  // run on the caller's stream meanwhile: neither pass waits for the other (the first version
+  // queued both on the caller's stream, which put a mixed call's two passes end to end).
   fp.jobs = pa.jobs_fwd;
+  fp.job_pass = kChainedJobs;
+  gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(S)), Cfg::Threads, Cfg::SmemBytes, side>>>(fp);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = cudaEventRecord(setup.chain_done, side)) != cudaSuccess) return err;
+  fp.job_pass = kUnchainedJobs;
   gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
-  return cudaGetLastError();
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  // Join: the caller's stream (and a graph's capture) ends after both passes.
+  return cudaStreamWaitEvent(stream, setup.chain_done, 0);
 }
 
 template <class Cfg>
@@ -162,6 +187,11 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
                                cudaFuncAttributeMaxDynamicSharedMemorySize, chain_smem_bytes<Cfg::HeadK, 16>());
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
+    int least = 0, greatest = 0;  // the chain's side stream: highest priority, never the legacy stream's sync
+    if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&setup.chain_stream, cudaStreamNonBlocking, greatest);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&setup.states_done, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&setup.chain_done, cudaEventDisableTiming);
     setup.error = e;
     setup.sm_count = sms;
     setup.prep_ctas_per_sm = per_sm > 0 ? per_sm : 1;
@@ -242,7 +272,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       slots,
       a.scale,
   };
-  if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, sm_count, stream);
+  if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, setup, stream);
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;

@@ -166,6 +166,7 @@ struct FwdParams {
   int64_t num_seqs;
   int64_t num_slots;
   float scale;
+  int32_t job_pass = kAllJobs; // with jobs: which of them this launch runs (kChainedJobs, ...)
 };
 
 // Accumulator element e of a 64 x N wgmma tile sits at (row0 + 8 * ((e / 2) % 2), col0 + e % 2 +
@@ -368,6 +369,8 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     range.slot0 = job.slot0;
     job_flags = job.flags;
     if (range.len == 0 && job.out == nullptr) return;  // an unused slot (uniform: the whole CTA)
+    const bool chained = job_flags & kJobChained;
+    if ((p.job_pass == kUnchainedJobs && chained) || (p.job_pass == kChainedJobs && !chained)) return;
   } else {
     range = sequence_range(p.cu_seqlens, blockIdx.z, p.total_tokens);
   }

@@ -52,6 +52,15 @@ enum : int32_t {
   kJobIdentityState = 1,  // start from S = I (K = V): the end state is the range's transition M
   kJobZeroV = 2,          // read v as zeros (with kJobIdentityState: S' = M S exactly)
   kJobNoOutput = 4,       // state-only: o is not written (warm-up windows, H and M passes)
+  kJobChained = 8,        // a forward job whose start state the exact chain writes (runs after it)
+};
+
+// Which forward jobs a context-parallel forward launch runs (FwdParams::job_pass): the jobs that
+// start from h0 or a warm-up state need nothing from the exact chain, so they run beside it.
+enum : int32_t {
+  kAllJobs = 0,
+  kUnchainedJobs = 1,
+  kChainedJobs = 2,
 };
 
 struct CpJob {
