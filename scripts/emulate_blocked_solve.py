@@ -1,7 +1,9 @@
-"""The prep's blocked A0 solve (docs/pending/prep-blocked-solve.patch) emulated in fp32 on the CPU,
-thread by thread and stage by stage, against the column substitution the kernel runs today and a
-float64 inverse: a check of the decomposition (which thread reads which K K^T entry, and when)
-before the kernel runs on the H200. kk holds K K^T; X goes into its upper triangle.
+"""The prep's blocked A0 solve emulated in fp32 on the CPU, thread by thread and stage by stage,
+against the column substitution the kernel runs and a float64 inverse: a check of the
+decomposition (which thread reads which K K^T entry, and when) before the kernel ran on the H200.
+kk holds K K^T; X goes into its upper triangle. The kernel patch ran in the ninth session, correct
+but slower, and was not kept (`git show 08115bb:docs/pending/prep-blocked-solve.patch`,
+docs/kernel-notes.md).
 
     python3 scripts/emulate_blocked_solve.py
 """

@@ -19,6 +19,9 @@
 #   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
 #                                                 warm-up and with exact CP chaining beside FLA and
 #                                                 FlashQLA (default 2/8)
+#   bash scripts/h200_next_session.sh split       the CP GPU tests, then the GPU time per kernel of
+#                                                 ours, FLA and FlashQLA on 16/16 and 2/8 rows
+#                                                 (scripts/kernel_split.py)
 # Logs go to $OUT; each step prints its summary last.
 set -uo pipefail
 OUT=${OUT:-/tmp/next_out}
@@ -128,5 +131,11 @@ case "${1:-tests}" in
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench)" >&2; exit 2 ;;
+  split)
+    timeout 240 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+      -k "context_parallel or forced_short" > "$OUT/gpu_tests_cp.log" 2>&1
+    grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
+    timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
+    echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split)" >&2; exit 2 ;;
 esac
