@@ -89,7 +89,12 @@ case "${1:-tests}" in
       -o "$OUT/kernels" python3 -P scripts/ncu_target.py > "$OUT/ncu.log" 2>&1
     echo "ncu rc=$?"; tail -n 5 "$OUT/ncu.log"
     "$ncu_bin" --import "$OUT/kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
-    grep -E "gdn_|Duration|Warp Cycles Per Issued|Stall|Achieved Occupancy|Memory Throughput" "$OUT/ncu_details.txt" | head -n 40 ;;
+    grep -E "gdn_|Duration|Warp Cycles Per Issued|Stall|Achieved Occupancy|Memory Throughput" "$OUT/ncu_details.txt" | head -n 40
+    # per SASS instruction: where the prep's warps wait (scripts/ncu_hot_instructions.py)
+    "$ncu_bin" --import "$OUT/kernels.ncu-rep" --page source --print-source sass --csv \
+      --kernel-name regex:gdn_prep_kernel > "$OUT/ncu_prep_source.csv" 2>&1
+    python3 scripts/ncu_hot_instructions.py "$OUT/ncu_prep_source.csv" 30 > "$OUT/ncu_prep_hot.txt" 2>&1
+    grep -E "^== |by opcode" "$OUT/ncu_prep_hot.txt" | cut -c1-300 ;;
   prep-ablation)
     timeout 420 python3 -P scripts/prep_ablation.py "$OUT" > "$OUT/prep_ablation.log" 2>&1
     echo "rc=$?"; tail -n 4 "$OUT/prep_ablation.log" | cut -c1-600 ;;
