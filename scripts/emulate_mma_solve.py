@@ -1,0 +1,163 @@
+"""The prep's tensor-core A0 solve for one v-head (csrc/gdn_prep_solve_mma.cuh, in
+docs/pending/prep-mma-solve.patch until it has run on the H200) emulated on the
+CPU lane by lane: the same shared-memory tile (kk, 64 rows of 68 floats, X into its upper
+triangle), the same per-thread index arithmetic, and each mma.sync m16n8k8 built from the 32
+lanes' fragment registers as the PTX ISA lays them out (TF32 operands rounded to nearest, ties
+away; fp32 accumulation). A wrong fragment index or a wrong k order shows as a large error
+against the float64 inverse; the check before the kernel runs on the H200.
+
+    python3 scripts/emulate_mma_solve.py
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+PAD = 68
+
+
+def tf32(x: np.float32) -> np.float32:
+    """cvt.rna.tf32.f32: keep 10 mantissa bits, round to nearest with ties away from zero."""
+    bits = np.array([x], np.float32).view(np.uint32)[0]
+    bits = np.uint32((int(bits) + 0x1000) & 0xFFFFE000)
+    return np.array([bits], np.uint32).view(np.float32)[0]
+
+
+class Tiles:
+    def __init__(self, kk: np.ndarray, beta: np.ndarray):
+        self.kk, self.beta = kk, beta  # kk: flat float32 [64 * PAD]
+
+    def l(self, i, j):
+        return np.float32(self.beta[i] * self.kk[i * PAD + j])
+
+    def x(self, i, j):
+        return self.kk[j * PAD + i] if i > j else (np.float32(1) if i == j else np.float32(0))
+
+    def set_x(self, i, j, v):
+        self.kk[j * PAD + i] = v
+
+
+def mma(d, a, b, lane_split):
+    """d[lane] += A B over the warp: a[lane] = 4 values, b[lane] = 2 values (one precision part)."""
+    A = np.zeros((16, 8)); B = np.zeros((8, 8))
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        A[g, q], A[g + 8, q], A[g, q + 4], A[g + 8, q + 4] = (float(v) for v in a[lane])
+        B[q, g], B[q + 4, g] = (float(v) for v in b[lane])
+    C = A @ B
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        add = (C[g, 2 * q], C[g, 2 * q + 1], C[g + 8, 2 * q], C[g + 8, 2 * q + 1])
+        d[lane] = [np.float32(d[lane][e] + add[e]) for e in range(4)]
+
+
+def mma_3xtf32(d, a, b):
+    ah = [[tf32(v) for v in a[lane]] for lane in range(32)]
+    al = [[tf32(np.float32(v - h)) for v, h in zip(a[lane], ah[lane])] for lane in range(32)]
+    bh = [[tf32(v) for v in b[lane]] for lane in range(32)]
+    bl = [[tf32(np.float32(v - h)) for v, h in zip(b[lane], bh[lane])] for lane in range(32)]
+    mma(d, al, bh, None)
+    mma(d, ah, bl, None)
+    mma(d, ah, bh, None)
+
+
+def diagonal_blocks(s: Tiles):
+    for t in range(64):
+        a0, c = (t // 16) * 16, t % 16
+        x = [np.float32(0)] * 16
+        for r in range(16):
+            part = [np.float32(0), np.float32(0)]
+            for m in range(r):
+                part[m & 1] = np.float32(part[m & 1] + s.kk[(a0 + r) * PAD + a0 + m] * x[m])
+            x[r] = np.float32(0) if r < c else (np.float32(1) if r == c else np.float32(-s.beta[a0 + r] * (part[0] + part[1])))
+        for r in range(1, 16):
+            if r > c:
+                s.set_x(a0 + r, a0 + c, x[r])
+
+
+def offdiagonal_block(s: Tiles, ra: int, cb: int, w: int, M: int):
+    """One warp (all 32 lanes at once) of csrc/gdn_prep_solve_mma.cuh offdiagonal_block."""
+    N = 2 * M
+    i0 = cb + 16 * w
+    tt = [[[np.float32(0)] * 4 for _ in range(32)] for _ in range(N)]
+    for ks in range(N):
+        if 8 * ks + 7 < 16 * w:
+            continue
+        a = []
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            k = cb + 8 * ks + q
+            a.append([s.x(k, i0 + g), s.x(k, i0 + g + 8), s.x(k + 4, i0 + g), s.x(k + 4, i0 + g + 8)])
+        for n in range(N):
+            b = []
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                k = cb + 8 * ks + q
+                b.append([s.l(ra + 8 * n + g, k), s.l(ra + 8 * n + g, k + 4)])
+            mma_3xtf32(tt[n], a, b)
+    out = [[[np.float32(0)] * 4 for _ in range(32)] for _ in range(N)]
+    for ks in range(N):
+        a = [[tt[ks][lane][0], tt[ks][lane][2], tt[ks][lane][1], tt[ks][lane][3]] for lane in range(32)]
+        for n in range(N):
+            if n < ks:
+                continue
+            b = []
+            for lane in range(32):
+                g, q = lane // 4, lane % 4
+                k = ra + 8 * ks + 2 * q
+                b.append([s.x(ra + 8 * n + g, k), s.x(ra + 8 * n + g, k + 1)])
+            mma_3xtf32(out[n], a, b)
+    writes = []
+    for n in range(N):
+        for lane in range(32):
+            g, q = lane // 4, lane % 4
+            for e in range(4):
+                writes.append((ra + 8 * n + 2 * q + (e & 1), i0 + g + 8 * (e >> 1), np.float32(-out[n][lane][e])))
+    return writes
+
+
+def solve(kk: np.ndarray, beta: np.ndarray) -> np.ndarray:
+    s = Tiles(kk, beta)
+    diagonal_blocks(s)
+    # each stage: both warps compute from the tile as the barrier left it, then their stores land
+    for stage in ([(16, 0, 0, 1), (48, 32, 0, 1)], [(32, 0, 0, 2), (32, 0, 1, 2)]):
+        writes = [wr for ra, cb, w, M in stage for wr in offdiagonal_block(s, ra, cb, w, M)]
+        for i, j, v in writes:
+            s.set_x(i, j, v)
+    X = np.zeros((64, 64), np.float32)
+    for c in range(64):
+        for i in range(c, 64):
+            X[i, c] = s.x(i, c)
+    return X
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for trial in range(4):
+        k = rng.standard_normal((64, 128))
+        k /= np.linalg.norm(k, axis=1, keepdims=True)
+        beta = rng.uniform(0, 2 if trial == 2 else 1, 64).astype(np.float32)
+        if trial == 1:  # a tail chunk: rows past 40 are zero (k and beta), as the kernel sees them
+            k[40:] = 0
+            beta[40:] = 0
+        if trial == 3:  # strongly correlated keys: a badly conditioned M
+            k = k[:1] + 0.1 * k
+            k /= np.linalg.norm(k, axis=1, keepdims=True)
+        kkt = (k @ k.T).astype(np.float32)
+        tile = np.zeros(64 * PAD, np.float32)
+        for i in range(64):
+            tile[i * PAD:i * PAD + 64] = kkt[i]
+        X = solve(tile, beta)
+        M = np.eye(64) + np.tril(beta[:, None].astype(np.float64) * kkt.astype(np.float64), -1)
+        ref = np.linalg.inv(M)
+        rel = np.linalg.norm(X - ref) / np.linalg.norm(ref)
+        worst = max(worst, rel)
+        print(f"trial {trial}: X rel L2 vs float64 inverse {rel:.2e} (|X| max {np.abs(ref).max():.1f})")
+    print(f"worst {worst:.2e}")
+    return 0 if worst < 1e-5 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
