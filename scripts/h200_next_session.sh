@@ -19,6 +19,8 @@
 #   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
 #                                                 warm-up and with exact CP chaining beside FLA and
 #                                                 FlashQLA (default 2/8)
+#   bash scripts/h200_next_session.sh variants    the prep's build variants (scripts/prep_variants.py):
+#                                                 each against the float64 oracle, then its prep time
 #   bash scripts/h200_next_session.sh split       the CP GPU tests, then the GPU time per kernel of
 #                                                 ours, FLA and FlashQLA on 16/16 and 2/8 rows
 #                                                 (scripts/kernel_split.py)
@@ -136,11 +138,14 @@ case "${1:-tests}" in
       --impl flashqla_tune_exact_cp --impl fla --impl flashqla "${heads[@]}" --accuracy-max-tokens 0 \
       --sample-budget-s 0.05 --budget-s 480 --prewarm > "$OUT/scoreboard_run.log" 2>&1
     tail -n 30 "$OUT/scoreboard_run.log" ;;
+  variants)
+    timeout 540 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
+    echo "variants rc=$?"; grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 12 | cut -c1-400 ;;
   split)
     timeout 240 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
       -k "context_parallel or forced_short" > "$OUT/gpu_tests_cp.log" 2>&1
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
