@@ -46,7 +46,7 @@ class Tiles:
         self.kk[j * PAD + i] = v
 
 
-def mma(d, a, b, lane_split):
+def mma(d, a, b):
     """d[lane] += A B over the warp: a[lane] = 4 values, b[lane] = 2 values (one precision part)."""
     A = np.zeros((16, 8)); B = np.zeros((8, 8))
     for lane in range(32):
@@ -65,9 +65,9 @@ def mma_3xtf32(d, a, b):
     al = [[tf32(np.float32(v - h)) for v, h in zip(a[lane], ah[lane])] for lane in range(32)]
     bh = [[tf32(v) for v in b[lane]] for lane in range(32)]
     bl = [[tf32(np.float32(v - h)) for v, h in zip(b[lane], bh[lane])] for lane in range(32)]
-    mma(d, al, bh, None)
-    mma(d, ah, bl, None)
-    mma(d, ah, bh, None)
+    mma(d, al, bh)
+    mma(d, ah, bl)
+    mma(d, ah, bh)
 
 
 def diagonal_blocks(s: Tiles):

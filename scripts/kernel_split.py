@@ -4,25 +4,24 @@ which stage of which implementation wins on the rows where ours is slower than F
 e.g. whether FlashQLA's WY/solve kernels take less time than our prep.
 
 Each implementation gets 3 warm-up calls (JIT, autotuning, our plan's build), then CALLS profiled
-eager calls on the same inputs; per kernel name: launches per call and us per call (the sum of its
-durations / CALLS). Kernel time only: launch gaps and host time are not in it.
+eager calls on the same inputs (bench.timing.kernel_launches_and_ms_per_call); per kernel name:
+launches per call and us per call. Kernel time only: launch gaps and host time are not in it.
 
     FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/kernel_split.py OUT_DIR [--heads 16/16 ...]
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import re
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.impls import call, load_impls
 from flashqla_tune.bench.inputs import make_rotation
+from flashqla_tune.bench.timing import kernel_launches_and_ms_per_call
 
 CALLS = 5
 SEQLENS = [(32768,), (16384, 16384), (8192,) * 4, (1024,) * 8, (2048,)]
@@ -37,22 +36,12 @@ def short_name(kernel: str) -> str:
 
 
 def split_of(impl, x) -> dict:
-    for _ in range(3):
+    for _ in range(2):  # with the helper's own warm-up call: JIT and autotuning are done before the profile
         call(impl, x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            call(impl, x)
-        torch.cuda.synchronize()
-    per_kernel = collections.defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = per_kernel[short_name(event.name)]
-            entry[0] += 1
-            entry[1] += event.device_time
-    kernels = sorted(((name, n / CALLS, us / CALLS) for name, (n, us) in per_kernel.items()), key=lambda r: -r[2])
+    per_kernel = kernel_launches_and_ms_per_call(lambda: call(impl, x), CALLS, short_name)
+    kernels = sorted(((name, n, ms * 1e3) for name, (n, ms) in per_kernel.items()), key=lambda r: -r[2])
     return {"kernel_us": round(sum(us for _, _, us in kernels), 1),
-            "kernels": [{"name": name, "launches": n, "us": round(us, 1)} for name, n, us in kernels]}
+            "kernels": [{"name": name, "launches": round(n, 2), "us": round(us, 1)} for name, n, us in kernels]}
 
 
 def main(argv: list[str]) -> int:

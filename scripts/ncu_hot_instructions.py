@@ -42,8 +42,8 @@ def main(argv: list[str]) -> int:
     for index, (header, rows) in enumerate(tables(lines)):
         found = True
         source = header.index("Source")
-        samples = next(i for i, cell in enumerate(header) if "Sampl" in cell and "All" in cell) \
-            if any("Sampl" in c and "All" in c for c in header) else next(i for i, c in enumerate(header) if "Sampl" in c)
+        sampled = [i for i, cell in enumerate(header) if "Sampl" in cell]  # tables() keeps only those with one
+        samples = next((i for i in sampled if "All" in header[i]), sampled[0])
         total = sum(number(r[samples]) for r in rows) or 1.0
         print(f"== launch {index}: {len(rows)} instructions, {total:.0f} samples ({header[samples]})")
         for r in sorted(rows, key=lambda r: -number(r[samples]))[:top]:

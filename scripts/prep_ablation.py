@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flashqla_tune import cache, runtime
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.inputs import make_rotation
-from flashqla_tune.bench.timing import kernel_ms_per_call
-from flashqla_tune.build import BuildConfig
-from flashqla_tune.loader import open_library
+from flashqla_tune.bench.variants import build_variants, prep_ms, running
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import forward_on_inputs
@@ -32,46 +28,32 @@ VARIANTS = {"full": 0, "no_gemms": 1, "no_solve": 2, "no_aw_out": 4, "no_p_out":
 REPEATS = 5
 
 
-def prep_ms(plan, x) -> float:
-    per_kernel = kernel_ms_per_call(lambda: forward_on_inputs(plan, x, prep_schedule="serial"), REPEATS,
-                                    lambda kernel: "prep" if "gdn_prep_kernel" in kernel else "other")
-    return round(per_kernel["prep"], 4)
-
-
 def main(out_dir: str) -> int:
     plans = [default_plan(GDNSpec(c.num_qk_heads, c.num_v_heads)) for c in CASES]
-    configs = {name: BuildConfig(extra_flags=("-DNDEBUG", f"-DFQT_PREP_ABLATE={bits}"))
-               for name, bits in VARIANTS.items()}
-    with ThreadPoolExecutor(len(configs)) as pool:  # nvcc runs in subprocesses: all variants at once
-        entries = dict(zip(configs, pool.map(lambda cfg: cache.get_kernels(plans, config=cfg), configs.values())))
+    entries = build_variants(plans, {name: ("-DNDEBUG", f"-DFQT_PREP_ABLATE={bits}") for name, bits in VARIANTS.items()})
     rows = []
-    library = runtime.library
-    try:
-        for i, (case, plan) in enumerate(zip(CASES, plans)):
-            x = make_rotation(case, 1, "cuda")[0]
-            times = {}
-            for name in VARIANTS:
-                lib = open_library(entries[name][i].so_path, plan)
-                runtime.library = lambda p, lib=lib: lib  # this variant for the forward's launch
-                try:
-                    times[name] = prep_ms(plan, x)
-                except Exception as exc:  # kept with the reason; the other variants still run
-                    times[name] = None
-                    print(f"{case.name} {name}: {type(exc).__name__}: {exc}", flush=True)
-                print(f"{case.name} {name}: prep {times[name]} ms", flush=True)
-            if times["full"] is None:
-                rows.append({"case": case.name, "plan": plan.name, "prep_ms": times})
-                continue
-            items = -(-max(case.seqlens) // 64) * len(case.seqlens) * case.num_qk_heads
-            stage = {name: round(times["full"] - t, 4) for name, t in times.items() if name != "full" and t is not None}
-            if "no_aw_out" in stage and "no_solve" in stage:
-                stage["aw_out_alone"] = round(stage["no_aw_out"] - stage["no_solve"], 4)
-            rows.append({"case": case.name, "plan": plan.name, "items": items, "prep_ms": times,
-                         "us_per_item_and_sm": round(times["full"] * 1e3 * torch.cuda.get_device_properties(0).multi_processor_count / items, 2),
-                         "stage_ms": stage})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        runtime.library = library
+    for i, (case, plan) in enumerate(zip(CASES, plans)):
+        x = make_rotation(case, 1, "cuda")[0]
+        times = {}
+        for name in VARIANTS:
+            try:
+                with running(entries[name][i], plan):  # this variant for the forward's launch
+                    times[name] = prep_ms(lambda: forward_on_inputs(plan, x, prep_schedule="serial"), REPEATS)
+            except Exception as exc:  # kept with the reason; the other variants still run
+                times[name] = None
+                print(f"{case.name} {name}: {type(exc).__name__}: {exc}", flush=True)
+            print(f"{case.name} {name}: prep {times[name]} ms", flush=True)
+        if times["full"] is None:
+            rows.append({"case": case.name, "plan": plan.name, "prep_ms": times})
+            continue
+        items = -(-max(case.seqlens) // 64) * len(case.seqlens) * case.num_qk_heads
+        stage = {name: round(times["full"] - t, 4) for name, t in times.items() if name != "full" and t is not None}
+        if "no_aw_out" in stage and "no_solve" in stage:
+            stage["aw_out_alone"] = round(stage["no_aw_out"] - stage["no_solve"], 4)
+        rows.append({"case": case.name, "plan": plan.name, "items": items, "prep_ms": times,
+                     "us_per_item_and_sm": round(times["full"] * 1e3 * torch.cuda.get_device_properties(0).multi_processor_count / items, 2),
+                     "stage_ms": stage})
+        print(json.dumps(rows[-1]), flush=True)
     with open(f"{out_dir}/prep_ablation.json", "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0

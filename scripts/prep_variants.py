@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,12 +18,9 @@ sys.path.insert(0, "tests")
 from gdn_inputs import rel_l2  # noqa: E402
 from test_gpu_forward import make_case, reference, run_ours  # noqa: E402
 
-from flashqla_tune import cache, runtime  # noqa: E402
 from flashqla_tune.bench.cases import Case  # noqa: E402
 from flashqla_tune.bench.inputs import make_rotation  # noqa: E402
-from flashqla_tune.bench.timing import kernel_ms_per_call  # noqa: E402
-from flashqla_tune.build import BuildConfig  # noqa: E402
-from flashqla_tune.loader import open_library  # noqa: E402
+from flashqla_tune.bench.variants import build_variants, prep_ms, running  # noqa: E402
 from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
@@ -46,49 +42,36 @@ def plan_of(hqk: int, hv: int, threads: int | None) -> KernelPlan:
 
 def main(out_dir: str) -> int:
     plans = [plan_of(*p) for p in PLANS]
-    configs = {name: BuildConfig(extra_flags=("-DNDEBUG", f"-DFQT_PREP_MMA_SOLVE={solve}", f"-DFQT_PREP_GEMM_PAIR={pair}"))
-               for name, (solve, pair) in VARIANTS.items()}
-    with ThreadPoolExecutor(len(configs)) as pool:  # nvcc runs in subprocesses: all variants at once
-        entries = dict(zip(configs, pool.map(lambda cfg: cache.get_kernels(plans, config=cfg), configs.values())))
+    entries = build_variants(plans, {name: ("-DNDEBUG", f"-DFQT_PREP_MMA_SOLVE={solve}", f"-DFQT_PREP_GEMM_PAIR={pair}")
+                                     for name, (solve, pair) in VARIANTS.items()})
     result = {"gpu": torch.cuda.get_device_name(), "variants": VARIANTS, "resources": {}, "checks": [], "prep_ms": []}
     for name in VARIANTS:
         result["resources"][name] = {plan.name: {k: v for k, v in e.resources.items() if "prep" in k}
                                      for plan, e in zip(plans, entries[name])}
-    library = runtime.library
-    try:
-        def use(name: str, index: int):
-            lib = open_library(entries[name][index].so_path, plans[index])
-            runtime.library = lambda p, lib=lib: lib
-
-        references = []
-        for index, seqlens, decay, l2norm in CHECKS:
-            spec = plans[index].spec
-            inp = make_case(13, seqlens, spec.num_qk_heads, spec.num_v_heads, torch.bfloat16, decay, True, False,
-                            normalised=not l2norm)
-            references.append((inp, reference(inp, l2norm)))
-        for name in VARIANTS:
-            for (index, seqlens, decay, l2norm), (inp, (ref_o, ref_s)) in zip(CHECKS, references):
-                use(name, index)
-                with torch.no_grad():
-                    o, s = run_ours(inp, l2norm, plan=plans[index])
+    references = []
+    for index, seqlens, decay, l2norm in CHECKS:
+        spec = plans[index].spec
+        inp = make_case(13, seqlens, spec.num_qk_heads, spec.num_v_heads, torch.bfloat16, decay, True, False,
+                        normalised=not l2norm)
+        references.append((inp, reference(inp, l2norm)))
+    for name in VARIANTS:
+        for (index, seqlens, decay, l2norm), (inp, (ref_o, ref_s)) in zip(CHECKS, references):
+            with running(entries[name][index], plans[index]), torch.no_grad():
+                o, s = run_ours(inp, l2norm, plan=plans[index])
                 torch.cuda.synchronize()
-                row = {"variant": name, "plan": plans[index].name, "seqlens": seqlens, "decay": decay, "l2norm": l2norm,
-                       "o": float(rel_l2(o, ref_o)), "state": float(rel_l2(s, ref_s)), "nan": bool(torch.isnan(o).any())}
-                result["checks"].append(row)
-                print(json.dumps(row), flush=True)
-        for index, case in TIMED:
-            x = make_rotation(case, 1, "cuda")[0]
-            times = {}
-            for name in VARIANTS:
-                use(name, index)
-                ms = kernel_ms_per_call(lambda: forward_on_inputs(plans[index], x, prep_schedule="serial"), 5,
-                                        lambda k: "prep" if "gdn_prep_kernel" in k else "sequential")
-                times[name] = round(ms["prep"], 4)
-            row = {"plan": plans[index].name, "seqlens": case.seqlens_label, "prep_ms": times}
-            result["prep_ms"].append(row)
+            row = {"variant": name, "plan": plans[index].name, "seqlens": seqlens, "decay": decay, "l2norm": l2norm,
+                   "o": float(rel_l2(o, ref_o)), "state": float(rel_l2(s, ref_s)), "nan": bool(torch.isnan(o).any())}
+            result["checks"].append(row)
             print(json.dumps(row), flush=True)
-    finally:
-        runtime.library = library
+    for index, case in TIMED:
+        x = make_rotation(case, 1, "cuda")[0]
+        times = {}
+        for name in VARIANTS:
+            with running(entries[name][index], plans[index]):
+                times[name] = prep_ms(lambda: forward_on_inputs(plans[index], x, prep_schedule="serial"))
+        row = {"plan": plans[index].name, "seqlens": case.seqlens_label, "prep_ms": times}
+        result["prep_ms"].append(row)
+        print(json.dumps(row), flush=True)
     with open(f"{out_dir}/prep_variants.json", "w") as f:
         json.dump(result, f, indent=1)
     worst = max(max(r["o"], r["state"]) for r in result["checks"])

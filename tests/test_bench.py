@@ -276,3 +276,43 @@ def test_summary_reads_the_targets_off_the_table():
     assert "| 2 |" in fla and f"{math.sqrt(0.5 * 0.8):.3f}" in fla and "2 of 2" in fla and "0.80 (2/8 1x8192)" in fla
     assert "0 of 2" in flashqla and "1.25 (2/8 1x32768)" in flashqla
     assert report.summary_table(results, "eager") == []
+
+
+def test_build_variants_builds_each_variant_with_its_own_flags(monkeypatch):
+    from flashqla_tune.bench import variants
+    from flashqla_tune.plan import default_plan
+    from flashqla_tune.spec import GDNSpec
+
+    built = []
+
+    def recording_get_kernels(plans, config=None):  # test double: records instead of running nvcc
+        built.append(config.extra_flags)
+        return [f"entry {plan.name} {' '.join(config.extra_flags)}" for plan in plans]
+
+    monkeypatch.setattr(variants.cache, "get_kernels", recording_get_kernels)
+    plans = [default_plan(GDNSpec(2, 8)), default_plan(GDNSpec(16, 16))]
+    entries = variants.build_variants(plans, {"a": ("-DX=0",), "b": ("-DX=1", "-DY=1")})
+    assert sorted(built) == [("-DX=0",), ("-DX=1", "-DY=1")]
+    assert entries["b"] == [f"entry {p.name} -DX=1 -DY=1" for p in plans]
+
+
+def test_running_a_variant_restores_the_runtime_lookup_even_on_error(monkeypatch):
+    from types import SimpleNamespace
+
+    from flashqla_tune import runtime
+    from flashqla_tune.bench import variants
+    from flashqla_tune.plan import default_plan
+    from flashqla_tune.spec import GDNSpec
+
+    opened = []
+    monkeypatch.setattr(variants, "open_library",  # test double: no .so is loaded
+                        lambda path, plan: opened.append((path, plan)) or f"library at {path}")
+    plan = default_plan(GDNSpec(2, 8))
+    own = runtime.library
+    with variants.running(SimpleNamespace(so_path="/variant.so"), plan) as lib:
+        assert runtime.library(plan) == lib == "library at /variant.so"
+    assert runtime.library is own and opened == [("/variant.so", plan)]
+    with pytest.raises(RuntimeError, match="inside"):
+        with variants.running(SimpleNamespace(so_path="/variant.so"), plan):
+            raise RuntimeError("inside")
+    assert runtime.library is own

@@ -115,10 +115,12 @@ class CudaTimer:
         return Timing(statistics.median(samples), samples)
 
 
-def kernel_ms_per_call(call, repeats: int = 5, name_of=lambda name: name) -> dict[str, float]:
-    """Each CUDA kernel's time per call of call() (torch.profiler over `repeats` calls, after one
-    warm-up call, under no_grad), summed under name_of(kernel name): where one call's GPU time goes.
-    The profile scripts (scripts/kernel_profile.py, cp_profile.py, prep_ablation.py) share it."""
+def kernel_launches_and_ms_per_call(call, repeats: int = 5,
+                                    name_of=lambda name: name) -> dict[str, tuple[float, float]]:
+    """Each CUDA kernel's launches and time (ms) per call of call() (torch.profiler over `repeats`
+    calls, after one warm-up call, under no_grad), summed under name_of(kernel name): where one
+    call's GPU time goes. The profile scripts (scripts/kernel_profile.py, cp_profile.py,
+    prep_ablation.py, kernel_split.py) share it."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():
@@ -128,9 +130,15 @@ def kernel_ms_per_call(call, repeats: int = 5, name_of=lambda name: name) -> dic
             for _ in range(repeats):
                 call()
             torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
+    per_kernel: dict[str, tuple[float, float]] = {}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             key = name_of(evt.name)
-            per_kernel[key] = per_kernel.get(key, 0.0) + evt.device_time_total / 1e3 / repeats
+            launches, ms = per_kernel.get(key, (0.0, 0.0))
+            per_kernel[key] = (launches + 1 / repeats, ms + evt.device_time_total / 1e3 / repeats)
     return per_kernel
+
+
+def kernel_ms_per_call(call, repeats: int = 5, name_of=lambda name: name) -> dict[str, float]:
+    """kernel_launches_and_ms_per_call's times alone."""
+    return {key: ms for key, (_, ms) in kernel_launches_and_ms_per_call(call, repeats, name_of).items()}

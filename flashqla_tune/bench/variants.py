@@ -1,0 +1,41 @@
+"""Build variants of our kernels (extra nvcc flags such as -DFQT_PREP_ABLATE) side by side, and run
+one variant in place of a plan's own library: what scripts/prep_ablation.py and prep_variants.py
+measure with. The variants share the plans' cache; only the flags tell their entries apart."""
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+from .. import cache, runtime
+from ..build import BuildConfig
+from ..loader import open_library
+from ..plan import KernelPlan
+from .timing import kernel_ms_per_call
+
+
+def build_variants(plans: list[KernelPlan], flags: dict[str, tuple[str, ...]]) -> dict[str, list]:
+    """{variant: [cache entry per plan]}, every variant built with its extra nvcc flags; the
+    variants build at once (nvcc runs in subprocesses)."""
+    configs = {name: BuildConfig(extra_flags=tuple(extra)) for name, extra in flags.items()}
+    with ThreadPoolExecutor(max(1, len(configs))) as pool:
+        built = pool.map(lambda config: cache.get_kernels(plans, config=config), configs.values())
+        return dict(zip(configs, built))
+
+
+@contextlib.contextmanager
+def running(entry, plan: KernelPlan):
+    """Inside, every forward launch uses the library of `entry` (a variant of `plan`); the
+    runtime's own lookup is back afterwards, also when the body raises."""
+    lib = open_library(entry.so_path, plan)
+    own = runtime.library
+    runtime.library = lambda _plan: lib
+    try:
+        yield lib
+    finally:
+        runtime.library = own
+
+
+def prep_ms(forward, repeats: int = 5) -> float:
+    """The prep kernel's GPU time per call of forward() (ms), the other kernels left out."""
+    per_kernel = kernel_ms_per_call(forward, repeats, lambda kernel: "prep" if "gdn_prep_kernel" in kernel else "other")
+    return round(per_kernel["prep"], 4)
