@@ -9,8 +9,9 @@
 //   P[i][j]   = scale e^{gamma_i - gamma_j} (q_i . k_j)  (j <= i)
 // Rows and columns past the sequence end are zero, so the sequential kernel needs no masks.
 // K K^T and Q K^T run on the tensor cores (one warp group each); A0 is solved without
-// exponentials (gate-free), one column per thread for up to Threads / 64 v-heads at once, then the
-// decay mask is applied. Threads is a plan parameter (prep_threads): 256 solves four v-heads per
+// exponentials (gate-free), then the decay mask is applied. With one v-head per q/k head (G = 1)
+// 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
+// (gdn_prep_solve_mma.cuh); otherwise one column per thread for up to Threads / 64 v-heads at once. Threads is a plan parameter (prep_threads): 256 solves four v-heads per
 // item; 128 solves two but fits three CTAs per SM, for models with one or two v-heads per q/k
 // head, where most of a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so the sequential
 // kernel can run beside this one (see gdn_fwd_host.cuh).
@@ -23,6 +24,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "gdn_grid_sync.cuh"
+#include "gdn_prep_solve_mma.cuh"
 #include "gdn_sequences.cuh"
 #include "gdn_wgmma.cuh"
 
@@ -52,6 +54,39 @@ enum : int {
   kAblatePOut = 8,    // no P and no gamma row (decay mask, exponentials, stores)
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
+
+// e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
+// subnormal results (a predicated halving before and a squaring after, behind a branch); those
+// made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
+// session). A decay below 2^-126 becomes 0, which no bf16 tile or fp32 sum of them notices.
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
+// P[i][j0 .. j0 + 8) as one 16-byte store: scale e^{gamma_i - gamma_j} (q_i . k_j) where
+// j <= i < L, else 0. Eight consecutive threads write one 128-byte row.
+template <class Elem>
+__device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const float* gam, int i, int j0, int L,
+                                              float scale) {
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+  if (i < L && j0 <= i) {
+    const float4 q0 = *reinterpret_cast<const float4*>(qk + i * kPrepPad + j0);
+    const float4 q1 = *reinterpret_cast<const float4*>(qk + i * kPrepPad + j0 + 4);
+    const float4 g0 = *reinterpret_cast<const float4*>(gam + j0);
+    const float4 g1 = *reinterpret_cast<const float4*>(gam + j0 + 4);
+    const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+    const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    const float gi = gam[i];
+    float pv[8];
+    CUTE_UNROLL
+    for (int u = 0; u < 8; ++u) pv[u] = scale * exp_ftz(j0 + u <= i ? gi - gv[u] : -INFINITY) * qv[u];  // see Aw
+    CUTE_UNROLL
+    for (int u = 0; u < 4; ++u) w[u] = pack2<Elem>(pv[2 * u], pv[2 * u + 1]);
+  }
+  *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 template <class Elem, int Hqk, int HeadK, int Threads_>
 struct PrepConfig {
@@ -303,16 +338,38 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     }
     __syncthreads();
 
-    // 2. K K^T and Q K^T on the tensor cores, into fp32 tiles: one per warp group with two,
-    //    both in turn with one.
+    // 2. K K^T and Q K^T on the tensor cores, into fp32 tiles: one per warp group with two; with
+    //    one, both products in flight at once (one wait).
     if constexpr (prep_runs(kAblateGemms)) {
       typename Cfg::Mma mma;
       auto thr = mma.get_thread_slice(tid % 128);
       Tensor tB = thr.partition_fragment_B(sK);
       Tensor crd = thr.partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<kChunk>>{}));
-      CUTE_UNROLL
-      for (int pass = 0; pass < 256 / Threads; ++pass) {
-        const bool kk_gemm = (Threads == 256 ? tid < 128 : pass == 0);
+      auto store_tile = [&](auto& acc, float* out) {
+        // accumulator values e, e + 1 are neighbouring columns (tests/test_fragment_layout.py):
+        // one 8-byte store per pair
+        CUTE_UNROLL
+        for (int e = 0; e < size(acc); e += 2)
+          *reinterpret_cast<float2*>(out + get<0>(crd(e)) * kPrepPad + get<1>(crd(e))) = make_float2(acc(e), acc(e + 1));
+      };
+      if constexpr (Threads == 128) {
+        Tensor tAk = thr.partition_fragment_A(sK);
+        Tensor tAq = thr.partition_fragment_A(sQ);
+        Tensor acc_k = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+        Tensor acc_q = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+        warpgroup_fence_operand(acc_k);
+        warpgroup_fence_operand(acc_q);
+        warpgroup_arrive();
+        wgmma_gemm(mma, tAk, tB, acc_k, true);
+        wgmma_gemm(mma, tAq, tB, acc_q, true);
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_k);
+        warpgroup_fence_operand(acc_q);
+        store_tile(acc_k, ss.kk);
+        store_tile(acc_q, ss.qk);
+      } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
+        const bool kk_gemm = tid < 128;
         Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
         Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
         warpgroup_fence_operand(acc);
@@ -321,9 +378,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc);
-        float* out = kk_gemm ? ss.kk : ss.qk;
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); ++e) out[get<0>(crd(e)) * kPrepPad + get<1>(crd(e))] = acc(e);
+        store_tile(acc, kk_gemm ? ss.kk : ss.qk);
       }
     }
     __syncthreads();
@@ -387,6 +442,25 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           if constexpr (!prep_runs(kAblateSolve)) {
             CUTE_UNROLL
             for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
+          } else if constexpr (G == 1) {
+            // One v-head: the 64 solving threads share the work by 16 x 16 blocks on the tensor
+            // cores (gdn_prep_solve_mma.cuh); X lands in K K^T's upper triangle, column c of X in
+            // row c of the tile (16-byte loads, conflict-free within each quarter warp). G = 1
+            // makes nb = 1, so exactly warps 0 and 1 get here: the 64 threads that named
+            // barrier 1 inside the solve waits for. No other thread of the CTA may use barrier 1.
+            static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
+            solve_mma::solve<kPrepPad>(ss.kk, bet, tid);
+            const float4* col = reinterpret_cast<const float4*>(ss.kk + c * kPrepPad);
+            CUTE_UNROLL
+            for (int i4 = 0; i4 < kChunk / 4; ++i4) {
+              const float4 v = col[i4];
+              const float vv[4] = {v.x, v.y, v.z, v.w};
+              CUTE_UNROLL
+              for (int u = 0; u < 4; ++u) {
+                const int i = 4 * i4 + u;
+                x[i] = i > c ? vv[u] : (i == c ? 1.f : 0.f);
+              }
+            }
           } else if (c >= kChunk / 2) {
             solve_from(Int<kChunk / 2>{});
           } else {
@@ -398,14 +472,17 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           if constexpr (prep_runs(kAblateAwOut)) {
             CUTE_UNROLL
             for (int i = 0; i < kChunk; ++i) {
-              const float a = (i < L && c <= i) ? __expf(ss.gamma[h][i] - gc) * x[i] * bc : 0.f;
-              aw[i * kChunk + c] = Elem(a);
+              // The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
+              // exponential of a selected result behind its own branch, and the 64 steps ran one
+              // after another (the prep 0.256 -> 0.189 ms on 16/16 1x32768 without them).
+              const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
+              aw[i * kChunk + c] = Elem(exp_ftz(d) * x[i] * bc);
             }
           }
         }
       }
 
-      // 5. P with the decay mask (two columns per store), and the slot's gamma row. When the solve
+      // 5. P with the decay mask (store_p_octet), and the slot's gamma row. When the solve
       //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
       //    128 threads, two on 16/32 with 256), those threads write all of P while the others
       //    solve, which takes P off the item's critical path; otherwise every thread writes its
@@ -415,16 +492,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       for (int h = 0; h < (prep_runs(kAblatePOut) && ptid >= 0 ? nb : 0); ++h) {
         const int hv = hqk * G + hb + h;
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-        uint32_t* pm = reinterpret_cast<uint32_t*>(static_cast<Elem*>(args.p) + base);
         const float* gam = ss.gamma[h];
-        for (int idx = ptid; idx < kChunk * kChunk / 2; idx += p_threads) {
-          const int i = (2 * idx) / kChunk, j = (2 * idx) % kChunk;
-          float pv[2] = {0.f, 0.f};
-          for (int t = 0; t < 2; ++t) {
-            if (i < L && j + t <= i) pv[t] = args.scale * __expf(gam[i] - gam[j + t]) * ss.qk[i * kPrepPad + j + t];
-          }
-          pm[idx] = pack2<Elem>(pv[0], pv[1]);
-        }
+        Elem* pm = static_cast<Elem*>(args.p) + base;
+        for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
+          store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
         if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
       }
       __syncthreads();

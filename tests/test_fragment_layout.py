@@ -6,7 +6,9 @@ silently, so this test breaks first):
   N = 128) and element e of the register A fragment of a 64 x 16k operand have the same (row, col),
   which is what lets `to_operand` turn an accumulator into the next wgmma's A operand;
 - that coordinate is (row0 + 8 ((e / 2) % 2), col0 + e % 2 + 8 (e / 4)), with row0 = 16 (warp) +
-  lane / 4 and col0 = 2 (lane % 4): `column_slot` and the ldmatrix.trans tile order assume it.
+  lane / 4 and col0 = 2 (lane % 4): `column_slot` and the ldmatrix.trans tile order assume it;
+- the prep kernel's (csrc/gdn_prep.cuh) 64 x 64 accumulator holds neighbouring columns in values
+  e, e + 1 (e even), which its paired fp32 tile stores assume.
 """
 from __future__ import annotations
 
@@ -67,3 +69,49 @@ def test_accumulator_and_register_operand_layouts_agree(tmp_path):
                     f"-I{csrc_dir()}", f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0"], f"{out[0]} coordinate mismatches: the kernel's fragment assumptions no longer hold"
+
+
+PREP_PROBE = r'''
+#include <cstdio>
+#include "gdn_prep.cuh"
+using namespace cute;
+
+// The prep stores its fp32 K K^T and Q K^T accumulators two columns at a time (csrc/gdn_prep.cuh, store_tile):
+// values e and e + 1 must be (r, c) and (r, c + 1) with c even, and the 128 threads must cover
+// the 64 x 64 tile once.
+template <int Threads>
+int check() {
+  using Mma = typename fqt::PrepConfig<cutlass::bfloat16_t, 16, 128, Threads>::Mma;
+  int bad = 0, seen[64][64] = {};
+  for (int tid = 0; tid < 128; ++tid) {
+    Mma mma;
+    auto acc = mma.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, _64>{}));
+    for (int e = 0; e < int(size(acc)); e += 2) {
+      const int row = get<0>(acc(e)), col = get<1>(acc(e));
+      bad += col % 2 != 0 || get<0>(acc(e + 1)) != row || get<1>(acc(e + 1)) != col + 1;
+      seen[row][col] += 1;
+      seen[get<0>(acc(e + 1))][get<1>(acc(e + 1))] += 1;
+    }
+  }
+  for (auto& row : seen)
+    for (int n : row) bad += n != 1;
+  return bad;
+}
+
+int main() { std::printf("%d\n", check<128>() + check<256>()); }
+'''
+
+
+@pytest.mark.slow
+def test_prep_accumulator_pairs_are_neighbouring_columns(tmp_path):
+    try:
+        nvcc = find_nvcc()
+        include = cutlass_include_dir()
+    except Exception as exc:  # noqa: BLE001 - CI has both; a bare machine reports why it skipped
+        pytest.skip(f"no nvcc or CUTLASS headers: {exc}")
+    src, exe = tmp_path / "prep_probe.cu", tmp_path / "prep_probe"
+    src.write_text(PREP_PROBE)
+    subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+                    f"-I{csrc_dir()}", f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0"], f"{out[0]} mismatches: the prep's paired accumulator stores would be wrong"
