@@ -63,8 +63,18 @@ class KernelLibrary:
         """Enqueue the forward on `stream` (a cudaStream_t as an int); never synchronises."""
         code = self._lib.fqt_gdn_fwd(ctypes.byref(args), ctypes.c_void_p(stream or None))
         if code != 0:
-            raise KernelLaunchError(f"{self.plan.name}: fqt_gdn_fwd failed with CUDA error {code}: "
-                                    f"{self.error_string(code)}")
+            self.raise_launch_error(code)
+
+    def raise_launch_error(self, code: int) -> None:
+        raise KernelLaunchError(f"{self.plan.name}: fqt_gdn_fwd failed with CUDA error {code}: "
+                                f"{self.error_string(code)}")
+
+    def entry_address(self, symbol: str) -> int:
+        """The address of one of the ABI's functions (abi.SYMBOLS), for callers outside ctypes (the
+        C++ host path); valid while this library stays loaded (libraries are never unloaded)."""
+        if symbol not in abi.SYMBOLS:
+            raise ValueError(f"{symbol} is not one of the ABI's functions {abi.SYMBOLS}")
+        return ctypes.cast(getattr(self._lib, symbol), ctypes.c_void_p).value
 
     def error_string(self, code: int) -> str:
         text = self._lib.fqt_error_string(code)

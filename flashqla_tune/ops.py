@@ -13,7 +13,7 @@ import functools
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import runtime, warmup as warmup_tables
+from . import host_path, runtime, warmup as warmup_tables
 from .spec import GDNSpec
 
 SUPPORTED_QKV_DTYPES = (torch.bfloat16, torch.float16)
@@ -149,12 +149,44 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     is exact chaining. Whether and where a sequence is cut depends only on its own length (the
     cost model's table), so short sequences and many-head calls run as one chain each.
 
-    With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten."""
+    With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten.
+
+    Eager calls go through the C++ host path (host_path) once a call of the same signature has run
+    here; it launches the same library with the same arguments."""
+    key = host_key(q, v, state_v_first, warmup, warmup_eps, "")
+    if key is not None:
+        fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
+        if fast is not None:
+            return fast
     Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
     table = list(warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv))
-    return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps,
-                       longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+    result = run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                         state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps,
+                         longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+    remember_host_context(key, "", q, v, state_v_first, table, warmup_eps)
+    return result
+
+
+def host_key(q, v, state_v_first, warmup, warmup_eps, plan_name: str):
+    """The C++ host path's key for an eager call, or None where only the Python path runs (tracing,
+    fake or subclassed tensors, tensors off the GPU, the path switched off)."""
+    if type(q) is not torch.Tensor or type(v) is not torch.Tensor or not q.is_cuda or q.dim() != 4 or v.dim() != 4:
+        return None
+    if torch.compiler.is_compiling() or not host_path.enabled():
+        return None
+    return host_path.signature(q, v, state_v_first, warmup, warmup_eps, plan_name)
+
+
+def remember_host_context(key, plan_name: str, q, v, state_v_first, table, warmup_eps) -> None:
+    """After a call succeeded on the Python path: let the next call of its signature take the C++
+    path (the plan, library and tables are the ones this call used, all cached by now)."""
+    if key is None or host_path.known(key):
+        return
+    plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
+    lengths = runtime.segment_lengths_for(plan_name) if plan_name else None
+    tables = warmup_tables.tables_for(tuple(table), plan, q.device, warmup_eps, lengths)
+    host_path.remember(key, plan, runtime.library(plan), tables, q.device)
 
 
 def longest_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:

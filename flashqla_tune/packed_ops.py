@@ -18,12 +18,13 @@ Tensor parallelism: rank r of tp_size holds q/k heads [r*Hqk/tp, (r+1)*Hqk/tp) a
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
 from pathlib import Path
 
 import torch
 
-from . import environment, loader, ops, runtime, warmup as warmup_tables
+from . import environment, host_path, loader, ops, runtime, warmup as warmup_tables
 from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration, read_manifest
 from .plan import KernelPlan, kernel_spec
 
@@ -52,6 +53,9 @@ def _describe(spec) -> str:
            f"{spec.qkv_dtype} state {spec.state_layout}"
 
 
+_PACK_TAGS = itertools.count(1)
+
+
 class PackOps:
     """The ops of one pack for one tensor-parallel rank."""
 
@@ -67,7 +71,11 @@ class PackOps:
         sl = slice(self.v_heads.start, self.v_heads.stop)
         self._layer_tables = [torch.tensor(layer.warmup_table[sl], dtype=torch.int32) for layer in calibration.layers]
         self._model_table = torch.tensor(calibration.model_table()[sl], dtype=torch.int32)
+        # the same tables as tuples, for the C++ host path's call keys (host_path.signature)
+        self._table_values = {None: tuple(self._model_table.tolist())}
+        self._table_values.update((i, tuple(t.tolist())) for i, t in enumerate(self._layer_tables))
         self.warmup_eps = float(calibration.settings.eps)  # the guard's bound is the calibration's
+        self._host_tag = f"pack #{next(_PACK_TAGS)}"  # this object's calls' key part (ids can be reused)
 
     @property
     def num_layers(self) -> int:
@@ -99,6 +107,13 @@ class PackOps:
                                cu_seqlens_cpu=None, layer: int | None = None):
         """flashqla_tune.ops.chunk_gated_delta_rule on the pack's plan for this call's heads.
         Returns (o [B,T,Hv,V], final_state fp32 or None)."""
+        values = self._table_values.get(layer) if type(layer) is not bool else None
+        key = ops.host_key(q, v, state_v_first, values, self.warmup_eps, self._host_tag) if values else None
+        if key is not None:
+            fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                     use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
+            if fast is not None:
+                return fast
         Hv = ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
         table = self.warmup_table(layer)
         if table.numel() != Hv:
@@ -106,10 +121,13 @@ class PackOps:
                              f"{table.numel()} (v-heads {self.v_heads.start}..{self.v_heads.stop - 1} of the model's "
                              f"{self.manifest.spec.num_v_heads})")
         plan = self.plan_for(q, v, state_v_first)
-        return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                               state_v_first, cu_seqlens, plan_name=self.registered[plan.name],
-                               warmup=list(warmup_tables.normalise(table, Hv)), warmup_eps=self.warmup_eps,
-                               longest_tokens=ops.longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+        checked = list(warmup_tables.normalise(table, Hv))
+        result = ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                 state_v_first, cu_seqlens, plan_name=self.registered[plan.name], warmup=checked,
+                                 warmup_eps=self.warmup_eps,
+                                 longest_tokens=ops.longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+        ops.remember_host_context(key, self.registered[plan.name], q, v, state_v_first, checked, self.warmup_eps)
+        return result
 
     def __repr__(self) -> str:
         return (f"PackOps({self.pack}, rank {self.tp_rank}/{self.tp_size}, {self.manifest.target}, "

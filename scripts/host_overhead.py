@@ -1,13 +1,16 @@
 """Where an eager call's host time goes (issue 5's target: under 30 us per call). On the GPU, for
-2/8 heads and 1x2048 tokens, the mean host time per call of each layer of the call stack, timed over
-back-to-back calls (the GPU runs behind; nothing synchronises inside the loop):
+2/8 heads, the mean host time per call of each layer of the call stack, timed over back-to-back
+calls (the GPU runs behind; nothing synchronises inside the loop). The op-level rows are timed on
+both host paths: "cpp" (the C++ host path, host_path.py: the default once a call of the signature
+has run) and "python" (FLASHQLA_TUNE_HOST_PATH=python), with the number of calls the C++ path took.
 
-  op        flashqla_tune.ops.chunk_gated_delta_rule (checks, custom-op dispatch, everything); at
-            2048 tokens no table splits, so this is the single chain's path
+  op        flashqla_tune.ops.chunk_gated_delta_rule, 1x2048 tokens: no table splits them, so this is
+            the single chain's path
   op_cp     the same with the calibrated warm-up table of the protocol's gates
-  op_32k, op_cp_32k, single_32k   1x32768 tokens, where the default window and the calibrated
-            table split (context parallel: four more launches), and the single chain (no table)
-  forward   runtime.forward (buffers, the launch struct, the C++ host path)
+  op_32k, op_cp_32k   1x32768 tokens (with host offsets), where the default window and the
+            calibrated table split (context parallel: five more launches and the side stream's events)
+  single_32k   ops.run_checked without a table (one exact chain; Python path only)
+  forward   runtime.forward (buffers, the launch struct, the library call; the Python path's core)
   launch    the library call alone with a prepared struct (TMA descriptors, two launches)
   empty     one torch.empty of the workspace;  stream  torch's current stream handle
   checks    ops.check_inputs
@@ -16,18 +19,19 @@ back-to-back calls (the GPU runs behind; nothing synchronises inside the loop):
             implementation that synchronises the host with the GPU inside its call (FlashQLA's
             CP planning does) shows max(host, GPU) here, which is what an eager caller waits.
 
-    FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/host_overhead.py OUT_DIR
+    FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/host_overhead.py OUT_DIR [--no-anchors]
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from flashqla_tune import abi, ops, runtime
+from flashqla_tune import abi, host_path, ops, runtime
 from flashqla_tune.bench.cases import Case
 from flashqla_tune.bench.impls import call, load_impls
 from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
@@ -48,7 +52,19 @@ def per_call_us(fn, calls: int = CALLS) -> float:
     return round(host, 2)
 
 
-def main(out_dir: str) -> int:
+def both_paths(fn, calls: int = CALLS) -> dict:
+    """per_call_us on the Python host path, then on the C++ one (and how many calls it took)."""
+    os.environ[host_path.ENV_SWITCH] = "python"
+    try:
+        python = per_call_us(fn, calls)
+    finally:
+        del os.environ[host_path.ENV_SWITCH]
+    before = host_path.taken
+    cpp = per_call_us(fn, calls)
+    return {"cpp": cpp, "python": python, "cpp_calls_taken": host_path.taken - before, "calls": calls + 20}
+
+
+def main(out_dir: str, anchors_too: bool = True) -> int:
     dev, T = "cuda", 2048
     q = F.normalize(torch.randn(1, T, 2, 128, device=dev), dim=-1).bfloat16()
     k = F.normalize(torch.randn(1, T, 2, 128, device=dev), dim=-1).bfloat16()
@@ -75,19 +91,22 @@ def main(out_dir: str) -> int:
                                           cu_seqlens_cpu=long.cu_seqlens_cpu, **kw)
 
     long_calls = 40  # ~0.4 ms of GPU time and 7 launches each: stay far from a full launch queue
+    t0 = time.perf_counter()
+    host_path.extension()  # built (or loaded from the cache) before anything is timed
     with torch.no_grad():
         result = {
-            "op_32k": per_call_us(long_call, long_calls),
-            "op_cp_32k": per_call_us(lambda: long_call(warmup=CP_TABLE), long_calls),
+            "host_extension_ready_s": round(time.perf_counter() - t0, 1),
+            "op_32k": both_paths(long_call, long_calls),
+            "op_cp_32k": both_paths(lambda: long_call(warmup=CP_TABLE), long_calls),
             "single_32k": per_call_us(lambda: ops.run_checked(long.q, long.k, long.v, long.g, long.beta, None,
                                                               long.initial_state, True, False, False,
                                                               long.cu_seqlens_long, plan_name=""), long_calls),
-            "op": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-                                                                 output_final_state=True, cu_seqlens=cu)),
+            "op": both_paths(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                                output_final_state=True, cu_seqlens=cu)),
             # with the calibrated table; 2048 tokens do not split, so no CP kernel runs
-            "op_cp": per_call_us(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
-                                                                    output_final_state=True, cu_seqlens=cu,
-                                                                    warmup=CP_TABLE)),
+            "op_cp": both_paths(lambda: ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                                                   output_final_state=True, cu_seqlens=cu,
+                                                                   warmup=CP_TABLE)),
             "forward": per_call_us(lambda: runtime.forward(plan, q, k, v, g, beta, cu, h0, 128 ** -0.5, True, False)),
             "launch": per_call_us(lambda: lib.launch(args, stream)),
             "empty": per_call_us(lambda: torch.empty(lib.workspace_bytes(T, 1), dtype=torch.uint8, device=dev)),
@@ -95,7 +114,7 @@ def main(out_dir: str) -> int:
             "checks": per_call_us(lambda: ops.check_inputs(q, k, v, g, beta, h0, cu, None, False)),
         }
         short = make_rotation(Case(2, 8, (T,)), 1, dev)[0]
-        anchors, skipped = load_impls(["fla", "flashqla"])
+        anchors, skipped = load_impls(["fla", "flashqla"]) if anchors_too else ([], {})
         for impl in anchors:
             result[f"{impl.name}_2k"] = per_call_us(lambda: call(impl, short))
             result[f"{impl.name}_32k"] = per_call_us(lambda: call(impl, long), long_calls)
@@ -109,4 +128,4 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], "--no-anchors" not in sys.argv[2:]))

@@ -19,7 +19,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from gdn_inputs import gate_values, rel_l2  # noqa: E402
 
-from flashqla_tune import ops, runtime  # noqa: E402
+from flashqla_tune import host_path, ops, runtime  # noqa: E402
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked  # noqa: E402
 from flashqla_tune.plan import KernelPlan, TileParams  # noqa: E402
 
@@ -215,6 +215,46 @@ def test_public_op_graph_capture_and_dense_batch():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_g, o_eager) and torch.equal(s_g, s_eager)
+
+
+HOST_PATH_CASES = {
+    # 2/8 varlen with a calibrated-style table and host offsets: the C++ path plans CP itself
+    "varlen_cp_table": (dict(seqlens=[5000, 37, 2100], hqk=2, hv=8, h0=True, layout_vk=False),
+                        dict(warmup=[8, -1, 4, 8, 2, -1, 8, 8], host_offsets=True, final=True)),
+    # batch rows (device offsets made by the C++ path), the [N, Hv, V, K] state layout, default window
+    "batch_rows_vk": (dict(seqlens=[700], hqk=16, hv=16, h0=True, layout_vk=True, batch=2),
+                      dict(warmup=None, host_offsets=False, final=True)),
+    # int32 offsets (converted), in-kernel L2 norm, an explicit scale, no states
+    "int32_l2norm_no_state": (dict(seqlens=[300, 64, 1000], hqk=4, hv=16, h0=False, layout_vk=False),
+                              dict(warmup=None, host_offsets=False, final=False, int32=True, l2norm=True, scale=0.1)),
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_PATH_CASES))
+def test_cpp_host_path_agrees_bitwise_with_the_python_path(name, monkeypatch):
+    """The C++ host path launches what the Python path launches: the same outputs, bit for bit, and
+    the second call of a signature does take it."""
+    shape, opts = HOST_PATH_CASES[name]
+    inp = make_case(21, shape["seqlens"], shape["hqk"], shape["hv"], torch.bfloat16, "mixed", shape["h0"],
+                    shape["layout_vk"], normalised=not opts.get("l2norm"), batch=shape.get("batch"))
+    cu = inp["cu_seqlens"]
+    if cu is not None and opts.get("int32"):
+        cu = cu.to(torch.int32)
+    kw = dict(initial_state=inp["initial_state"], output_final_state=opts["final"], cu_seqlens=cu,
+              cu_seqlens_cpu=cu.cpu() if opts["host_offsets"] else None, state_v_first=inp["state_v_first"],
+              warmup=opts["warmup"], use_qk_l2norm_in_kernel=opts.get("l2norm", False), scale=opts.get("scale"))
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    with torch.no_grad():
+        monkeypatch.setenv(host_path.ENV_SWITCH, "python")
+        o_py, s_py = ops.chunk_gated_delta_rule(*args, **kw)
+        monkeypatch.delenv(host_path.ENV_SWITCH)
+        ops.chunk_gated_delta_rule(*args, **kw)  # the Python path, which keeps the signature's context
+        taken = host_path.taken
+        o_cpp, s_cpp = ops.chunk_gated_delta_rule(*args, **kw)
+    torch.cuda.synchronize()
+    assert host_path.taken == taken + 1, "the second call of the signature did not take the C++ path"
+    assert torch.equal(o_cpp, o_py) and o_cpp.shape == o_py.shape
+    assert (s_cpp is None and s_py is None) if not opts["final"] else torch.equal(s_cpp, s_py)
 
 
 def test_grad_enabled_input_is_refused():

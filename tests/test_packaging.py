@@ -61,6 +61,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_info(tmp_path):
         "assert 'site-packages' in flashqla_tune.__file__, flashqla_tune.__file__;"
         "assert (templates_dir() / 'gdn_fwd.cu.j2').is_file();"
         "assert (csrc_dir() / 'gdn_fwd_mainloop.cuh').is_file() and (csrc_dir() / 'gdn_abi.h').is_file();"
+        "assert (csrc_dir() / 'gdn_torch_host.cpp').is_file();"  # the C++ host path builds from the wheel
         "assert 'site-packages' in str(templates_dir()), templates_dir();"
         "print('ok')"
     )
