@@ -91,11 +91,7 @@ __device__ __forceinline__ void offdiagonal_block(const Tiles<Pad>& s, int ra, i
   const int g = lane / 4, q = lane % 4;
   const int i0 = cb + 16 * w;  // this warp's rows of X_ab^T are columns i0.. of X
   // T^T[i][n] = sum_k X_bb^T[i][k] L_ab^T[k][n] = sum_k X[cb + k][i] L[ra + n][cb + k]
-  float tt[N][4];
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) tt[n][e] = 0.f;
+  float tt[N][4] = {};
 #pragma unroll
   for (int ks = 0; ks < N; ++ks) {
     if (8 * ks + 7 < 16 * w) continue;  // X[cb + k][i0 + ..] = 0 for k < i: warp-uniform skip
@@ -110,11 +106,7 @@ __device__ __forceinline__ void offdiagonal_block(const Tiles<Pad>& s, int ra, i
   // X_ab^T[i][n] = -sum_k T^T[i][k] X_aa^T[k][n] = -sum_k T^T[i][k] X[ra + n][ra + k]. The k of
   // step ks are the columns of accumulator tile ks, in its order: fragment column q of the A
   // operand is k = 8 ks + 2 q, column q + 4 is k = 8 ks + 2 q + 1; the B operand follows.
-  float out[N][4];
-#pragma unroll
-  for (int n = 0; n < N; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[n][e] = 0.f;
+  float out[N][4] = {};
 #pragma unroll
   for (int ks = 0; ks < N; ++ks) {
     const float a[4] = {tt[ks][0], tt[ks][2], tt[ks][1], tt[ks][3]};

@@ -56,18 +56,23 @@ int main() {
 '''
 
 
-@pytest.mark.slow
-def test_accumulator_and_register_operand_layouts_agree(tmp_path):
+def run_probe(source: str, where) -> list[str]:
+    """Build a host program against csrc/ and CUTLASS with nvcc and run it: its stdout's words."""
     try:
         nvcc = find_nvcc()
         include = cutlass_include_dir()
     except Exception as exc:  # noqa: BLE001 - CI has both; a bare machine reports why it skipped
         pytest.skip(f"no nvcc or CUTLASS headers: {exc}")
-    src, exe = tmp_path / "probe.cu", tmp_path / "probe"
-    src.write_text(PROBE)
+    src, exe = where / "probe.cu", where / "probe"
+    src.write_text(source)
     subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
                     f"-I{csrc_dir()}", f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    return subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+
+
+@pytest.mark.slow
+def test_accumulator_and_register_operand_layouts_agree(tmp_path):
+    out = run_probe(PROBE, tmp_path)
     assert out == ["0"], f"{out[0]} coordinate mismatches: the kernel's fragment assumptions no longer hold"
 
 
@@ -104,14 +109,5 @@ int main() { std::printf("%d\n", check<128>() + check<256>()); }
 
 @pytest.mark.slow
 def test_prep_accumulator_pairs_are_neighbouring_columns(tmp_path):
-    try:
-        nvcc = find_nvcc()
-        include = cutlass_include_dir()
-    except Exception as exc:  # noqa: BLE001 - CI has both; a bare machine reports why it skipped
-        pytest.skip(f"no nvcc or CUTLASS headers: {exc}")
-    src, exe = tmp_path / "prep_probe.cu", tmp_path / "prep_probe"
-    src.write_text(PREP_PROBE)
-    subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
-                    f"-I{csrc_dir()}", f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
-    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    out = run_probe(PREP_PROBE, tmp_path)
     assert out == ["0"], f"{out[0]} mismatches: the prep's paired accumulator stores would be wrong"
