@@ -11,10 +11,11 @@
 // K K^T and Q K^T run on the tensor cores (one warp group each); A0 is solved without
 // exponentials (gate-free), then the decay mask is applied. With one v-head per q/k head (G = 1)
 // 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
-// (gdn_prep_solve_mma.cuh); otherwise one column per thread for up to Threads / 64 v-heads at once. Threads is a plan parameter (prep_threads): 256 solves four v-heads per
-// item; 128 solves two but fits three CTAs per SM, for models with one or two v-heads per q/k
-// head, where most of a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so the sequential
-// kernel can run beside this one (see gdn_fwd_host.cuh).
+// (gdn_prep_solve_mma.cuh); otherwise one column per thread for up to Threads / 64 v-heads at
+// once. Threads is a plan parameter (prep_threads): 256 solves four v-heads per item; 128 solves
+// two but fits three CTAs per SM, for models with one or two v-heads per q/k head, where most of
+// a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so
+// the sequential kernel can run beside this one (see gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -473,8 +474,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
             CUTE_UNROLL
             for (int i = 0; i < kChunk; ++i) {
               // The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
-              // exponential of a selected result behind its own branch, and the 64 steps ran one
-              // after another (the prep 0.256 -> 0.189 ms on 16/16 1x32768 without them).
+              // exponential of a selected result behind its own branch, so the steps ran one after
+              // another (a variant that staged Aw in shared memory: prep 0.271 ms on 16/16 1x32768
+              // with the result selected, 0.214 with the exponent; kernel-notes, tenth session).
               const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
               aw[i * kChunk + c] = Elem(exp_ftz(d) * x[i] * bc);
             }

@@ -8,9 +8,11 @@ error message and conversion. After a call succeeds on the Python path, `remembe
 context for its signature (heads, dtype, device, state layout, warm-up table), so the next call
 of that signature goes through C++. Both paths launch the same library with the same arguments.
 
-The extension is built once per torch and Python version into the cache (about a minute with
-torch's headers), the first time a signature is remembered. Where it cannot be built (no C++
-compiler, no Python headers) the op warns once and stays on the Python path.
+The extension is built once per torch and Python version into the cache (about 30 s with torch's
+headers), in a background thread that the first remembered call starts: until it is loaded, calls
+stay on the Python path. `extension()` waits for it (benchmarks and tests call it first). Where it
+cannot be built (no C++ compiler, no Python headers) the op warns once and stays on the Python
+path.
 FLASHQLA_TUNE_HOST_PATH=python keeps every call on the Python path.
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ taken = 0  # calls the C++ path has launched in this process (tests and scripts/
 _lock = threading.Lock()
 _extension = None          # the loaded module, once built
 _unavailable: str | None = None  # why it cannot be built or loaded (then the Python path only)
+_build_thread: threading.Thread | None = None
 
 
 class HostPathError(RuntimeError):
@@ -55,21 +58,44 @@ def build_key() -> str:
 
 
 def extension():
-    """The built extension module (built on first use, then loaded from the cache)."""
-    global _extension, _unavailable
-    if _extension is not None:
-        return _extension
-    if _unavailable is not None:
+    """The built extension module: waits for the build (started here if nothing started it) and
+    raises HostPathError where it cannot be built or loaded."""
+    start_build()
+    _build_thread.join()
+    if _extension is None:
         raise HostPathError(_unavailable)
-    with _lock:
-        if _extension is None and _unavailable is None:
-            try:
-                _extension = _build_and_load()
-            except Exception as exc:  # a missing compiler or header: the op keeps the Python path
-                _unavailable = f"the C++ host path could not be built ({type(exc).__name__}: {exc})"
-        if _extension is None:
-            raise HostPathError(_unavailable)
     return _extension
+
+
+def start_build() -> None:
+    """Build (or load from the cache) the extension in a background thread, once per process: the
+    call that first needs it, such as a pack's first call, does not wait about 30 s of compiling;
+    its signature's calls stay on the Python path until the module is there."""
+    global _build_thread
+    with _lock:
+        if _build_thread is None:
+            _build_thread = threading.Thread(target=_build_in_background, name="flashqla-tune host path build",
+                                             daemon=True)
+            _build_thread.start()
+
+
+def _after_fork_in_child() -> None:
+    # a forked child has no build thread: let it start its own where the parent's was unfinished
+    global _build_thread
+    if _extension is None and _build_thread is not None and not _build_thread.is_alive():
+        _build_thread = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _build_in_background() -> None:
+    global _extension, _unavailable
+    try:
+        _extension = _build_and_load()
+    except Exception as exc:  # a missing compiler or header: the op keeps the Python path
+        _unavailable = f"the C++ host path could not be built ({type(exc).__name__}: {exc})"
 
 
 def _build_and_load():
@@ -145,14 +171,16 @@ class _Context:
 
 def remember(key, plan, library, tables, device: torch.device) -> None:
     """Keep the context of a call that just succeeded on the Python path (plan, its loaded library,
-    its warmup.WarmupTables). Builds the extension the first time; does nothing when the C++ path
-    is switched off or cannot be built (warning once)."""
+    its warmup.WarmupTables). Until the extension is built (in the background, started here) it
+    keeps nothing; it does nothing when the C++ path is switched off or cannot be built (warning
+    once)."""
     if key is None or tables is None or key in _contexts or not enabled():
         return  # tables None: a default table first seen under graph capture ran without CP
-    try:
-        ext = extension()
-    except HostPathError as exc:
-        _warn_once(str(exc))
+    ext = _extension
+    if ext is None:  # not built yet: start it (once) and let a later call of the signature come back
+        start_build()
+        if _unavailable is not None:
+            _warn_once(_unavailable)
         return
     spec, bound = plan.spec, tables.bound
     handle = ext.make_context(
@@ -183,4 +211,4 @@ def forget() -> None:
 
 
 __all__ = ["ENV_SWITCH", "HostPathError", "build_key", "enabled", "extension", "forget", "forward", "known",
-           "remember", "signature"]
+           "remember", "signature", "start_build"]

@@ -244,6 +244,7 @@ def test_cpp_host_path_agrees_bitwise_with_the_python_path(name, monkeypatch):
               cu_seqlens_cpu=cu.cpu() if opts["host_offsets"] else None, state_v_first=inp["state_v_first"],
               warmup=opts["warmup"], use_qk_l2norm_in_kernel=opts.get("l2norm", False), scale=opts.get("scale"))
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"])
+    host_path.extension()  # built in the background otherwise: wait for it here
     with torch.no_grad():
         monkeypatch.setenv(host_path.ENV_SWITCH, "python")
         o_py, s_py = ops.chunk_gated_delta_rule(*args, **kw)

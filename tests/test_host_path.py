@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from flashqla_tune import abi, environment, host_path, warmup as warmup_tables
+from flashqla_tune.plan import default_plan
 from flashqla_tune.render import csrc_dir
+from flashqla_tune.spec import GDNSpec
 from flashqla_tune.warmup import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS, SegmentBound, WarmupTables
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
@@ -44,11 +46,15 @@ HQK, HV, D = 2, 4, 128
 
 
 @pytest.fixture(scope="module")
-def ext(tmp_path_factory):
-    root = tmp_path_factory.mktemp("host-cache")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("host-cache")
+
+
+@pytest.fixture(scope="module")
+def ext(cache_root):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FLASHQLA_TUNE_CACHE", str(root))
-        assert environment.cache_dir() == root
+        mp.setenv("FLASHQLA_TUNE_CACHE", str(cache_root))
+        assert environment.cache_dir() == cache_root
         return host_path._build_and_load()
 
 
@@ -198,3 +204,34 @@ def test_segment_bound_agrees_with_the_python_one(ext, double):
         ours = ext.call_segments(ctx, T, N, longest)
         # -1: the C++ path hands the call to Python, which turns CP off with a warning
         assert ours == python or (ours == -1 and python == 0 and caught), (lengths, T, N, longest)
+
+
+class LibraryDouble:
+    """Test double for loader.KernelLibrary as host_path.remember uses it: the C double's entry points."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def entry_address(self, symbol):
+        return address(self.lib, symbol)
+
+
+def test_remember_starts_the_build_and_keeps_a_context_once_it_is_loaded(ext, double, cache_root, monkeypatch):
+    monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(cache_root))  # the fixture's build: loading it is quick
+    for name, value in (("_extension", None), ("_build_thread", None), ("_unavailable", None), ("_contexts", {})):
+        monkeypatch.setattr(host_path, name, value)
+    plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
+    key = ("a signature", 1)
+    host_path.remember(key, plan, LibraryDouble(double), tables, torch.device("cpu"))
+    assert not host_path.known(key)            # the call that starts the build does not wait for it
+    module = host_path.extension()             # waits for the background build
+    host_path.remember(key, plan, LibraryDouble(double), tables, torch.device("cpu"))
+    assert host_path.known(key)
+    q, k, v, g, beta = inputs(1, 3000)
+    _, _, code = module.forward(host_path._contexts[key].handle, q, k, v, g, beta, torch.tensor([0, 3000]), None, None,
+                                None, True, False, 0)
+    a = double.double_last().contents
+    assert code == 0 and a.warmup == tables.warmup.data_ptr() and a.max_segments > 1
+    monkeypatch.setenv(host_path.ENV_SWITCH, "python")  # switched off: nothing is kept
+    host_path.remember(("another", 2), plan, LibraryDouble(double), tables, torch.device("cpu"))
+    assert not host_path.known(("another", 2))

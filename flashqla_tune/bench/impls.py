@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,8 +59,14 @@ def _load_flashqla():
 
 
 def _ours():
+    from flashqla_tune import host_path
     from flashqla_tune.ops import chunk_gated_delta_rule
     import flashqla_tune
+    if torch.cuda.is_available():
+        try:  # eager timings take the C++ host path from a row's second call, not after a background build
+            host_path.extension()
+        except host_path.HostPathError as exc:
+            warnings.warn(f"{exc}: our eager timings are the Python host path's", RuntimeWarning, stacklevel=2)
     return chunk_gated_delta_rule, getattr(flashqla_tune, "__version__", None)
 
 
