@@ -125,7 +125,7 @@ py::object forward(const Context& c, const at::Tensor& q, const at::Tensor& k, c
   if (q.dim() != 4 || k.sizes() != q.sizes() || v.dim() != 4) return fallback;
   const int64_t B = q.size(0), T = q.size(1);
   if (q.size(2) != c.hqk || q.size(3) != c.head_k || v.size(0) != B || v.size(1) != T || v.size(2) != c.hv ||
-      v.size(3) != c.head_v || T == 0)
+      v.size(3) != c.head_v || B * T == 0)  // no tokens: the Python path returns without a launch
     return fallback;
   if (q.scalar_type() != c.qkv_dtype || k.scalar_type() != c.qkv_dtype || v.scalar_type() != c.qkv_dtype)
     return fallback;

@@ -173,6 +173,7 @@ def test_calls_it_does_not_take_fall_back_without_launching(ext, double):
         "batch rows with offsets": (*inputs(2, 64), torch.tensor([0, 64])),
         "2-D offsets": (q, k, v, g, beta, cu.view(1, 3)),
         "no tokens": (*inputs(1, 0), torch.tensor([0, 0])),
+        "no batch rows": (*inputs(0, 64), None),
     }
     for name, args in cases.items():
         assert call(ext, ctx, *args) is None, name
