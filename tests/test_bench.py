@@ -309,10 +309,14 @@ def test_running_a_variant_restores_the_runtime_lookup_even_on_error(monkeypatch
                         lambda path, plan: opened.append((path, plan)) or f"library at {path}")
     plan = default_plan(GDNSpec(2, 8))
     own = runtime.library
+    from flashqla_tune import host_path
+
+    monkeypatch.delenv(host_path.ENV_SWITCH, raising=False)
     with variants.running(SimpleNamespace(so_path="/variant.so"), plan) as lib:
         assert runtime.library(plan) == lib == "library at /variant.so"
-    assert runtime.library is own and opened == [("/variant.so", plan)]
+        assert not host_path.enabled()  # op calls inside go through the runtime, to the variant
+    assert runtime.library is own and opened == [("/variant.so", plan)] and host_path.enabled()
     with pytest.raises(RuntimeError, match="inside"):
         with variants.running(SimpleNamespace(so_path="/variant.so"), plan):
             raise RuntimeError("inside")
-    assert runtime.library is own
+    assert runtime.library is own and host_path.enabled()

@@ -4,9 +4,10 @@ measure with. The variants share the plans' cache; only the flags tell their ent
 from __future__ import annotations
 
 import contextlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 
-from .. import cache, runtime
+from .. import cache, host_path, runtime
 from ..build import BuildConfig
 from ..loader import open_library
 from ..plan import KernelPlan
@@ -25,14 +26,20 @@ def build_variants(plans: list[KernelPlan], flags: dict[str, tuple[str, ...]]) -
 @contextlib.contextmanager
 def running(entry, plan: KernelPlan):
     """Inside, every forward launch uses the library of `entry` (a variant of `plan`); the
-    runtime's own lookup is back afterwards, also when the body raises."""
+    runtime's own lookup is back afterwards, also when the body raises. Op calls inside take the
+    Python host path (the C++ one launches the library its context remembered)."""
     lib = open_library(entry.so_path, plan)
-    own = runtime.library
+    own, switch = runtime.library, os.environ.get(host_path.ENV_SWITCH)
     runtime.library = lambda _plan: lib
+    os.environ[host_path.ENV_SWITCH] = "python"
     try:
         yield lib
     finally:
         runtime.library = own
+        if switch is None:
+            os.environ.pop(host_path.ENV_SWITCH, None)
+        else:
+            os.environ[host_path.ENV_SWITCH] = switch
 
 
 def prep_ms(forward, repeats: int = 5) -> float:
