@@ -205,7 +205,8 @@ def _warn_once(message: str) -> None:
 
 
 def forget() -> None:
-    """Drop every context (tests; a context outlives nothing it points into)."""
+    """Drop every context (tests). A context keeps alive what its pointers point into, so dropping
+    one frees nothing that a running call still uses."""
     with _lock:
         _contexts.clear()
 

@@ -152,7 +152,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten.
 
     Eager calls go through the C++ host path (host_path) once a call of the same signature has run
-    here; it launches the same library with the same arguments."""
+    here and the extension is loaded (it builds in the background); it launches the same library
+    with the same arguments."""
     key = host_key(q, v, state_v_first, warmup, warmup_eps, "")
     if key is not None:
         fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
