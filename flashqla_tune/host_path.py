@@ -27,7 +27,7 @@ import torch
 
 from . import environment
 from .render import csrc_dir
-from .warmup import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS
+from .warmup import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS, segment_state_bytes
 
 SOURCE_NAME = "gdn_torch_host.cpp"
 ENV_SWITCH = "FLASHQLA_TUNE_HOST_PATH"
@@ -139,8 +139,9 @@ def known(key) -> bool:
 
 def forward(key, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens,
             cu_seqlens_cpu):
-    """(o, final_state or None) through the C++ path, or None where the Python path must run."""
-    context = _contexts.get(key)
+    """(o, final_state or None) through the C++ path, or None where the Python path must run (key
+    None included: a call the C++ path never takes)."""
+    context = _contexts.get(key) if key is not None else None
     if context is None or (cu_seqlens_cpu is not None and not isinstance(cu_seqlens_cpu, torch.Tensor)):
         return None
     stream = torch._C._cuda_getCurrentRawStream(key[3])
@@ -189,7 +190,7 @@ def remember(key, plan, library, tables, device: torch.device) -> None:
         spec.num_qk_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.state_layout == "vk",
         tables.warmup.data_ptr(), tables.segment_chunks.data_ptr(), tables.log_eps, list(bound.lengths),
         list(bound.top_extra), list(bound.top_shortest), MAX_SEGMENTS, CP_SCRATCH_LIMIT_BYTES,
-        3 * spec.num_v_heads * spec.head_k_dim * spec.head_v_dim * 4)  # runtime.forward's bytes per segment
+        segment_state_bytes(spec.num_v_heads, spec.head_k_dim, spec.head_v_dim))
     with _lock:
         _contexts.setdefault(key, _Context(handle, library, tables))
 

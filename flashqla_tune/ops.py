@@ -155,11 +155,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     here and the extension is loaded (it builds in the background); it launches the same library
     with the same arguments."""
     key = host_key(q, v, state_v_first, warmup, warmup_eps, "")
-    if key is not None:
-        fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
-        if fast is not None:
-            return fast
+    fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
+    if fast is not None:
+        return fast
     Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
     table = list(warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv))
     result = run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

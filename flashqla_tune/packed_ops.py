@@ -109,11 +109,10 @@ class PackOps:
         Returns (o [B,T,Hv,V], final_state fp32 or None)."""
         values = self._table_values.get(layer) if type(layer) is not bool else None
         key = ops.host_key(q, v, state_v_first, values, self.warmup_eps, self._host_tag) if values else None
-        if key is not None:
-            fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
-                                     use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
-            if fast is not None:
-                return fast
+        fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
+        if fast is not None:
+            return fast
         Hv = ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
         table = self.warmup_table(layer)
         if table.numel() != Hv:

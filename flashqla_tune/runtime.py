@@ -107,7 +107,8 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         raise ValueError(f"prep_schedule={prep_schedule!r} must be one of {sorted(PREP_SCHEDULES)}")
     lib = library(plan)
     cp = None if warmup is None else warmup_tables.tables_for(warmup, plan, v.device, warmup_eps, segment_lengths)
-    segments = 0 if cp is None else warmup_tables.call_segments(cp, T, N, 3 * Hv * K * V * 4, longest_tokens)
+    segments = 0 if cp is None else warmup_tables.call_segments(cp, T, N, warmup_tables.segment_state_bytes(Hv, K, V),
+                                                                 longest_tokens)
     if segments == 0:
         cp = None  # one exact chain per sequence
     workspace = torch.empty(lib.workspace_bytes(T, N, segments), dtype=torch.uint8, device=v.device)

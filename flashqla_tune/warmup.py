@@ -219,6 +219,11 @@ class SegmentBound:
         return num_seqs + extra
 
 
+def segment_state_bytes(num_v_heads: int, head_k_dim: int, head_v_dim: int) -> int:
+    """Bytes of one segment's fp32 boundary, H and M states: call_segments' bytes_per_segment."""
+    return 3 * num_v_heads * head_k_dim * head_v_dim * 4
+
+
 def call_segments(tables: WarmupTables, total_tokens: int, num_seqs: int, bytes_per_segment: int,
                   longest_tokens: int = 0) -> int:
     """The segment bound the kernels get for a call, or 0 to run it without CP: when no length
@@ -248,5 +253,5 @@ def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> 
 
 
 __all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "DEFAULT_WINDOW_CHUNKS", "default_table", "is_default_table", "MAX_SEGMENTS", "call_segments", "describe_splits",
-           "profile_segment_lengths", "SEGMENT_BUCKETS", "SegmentBound", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
+           "profile_segment_lengths", "SEGMENT_BUCKETS", "SegmentBound", "segment_state_bytes", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
            "sm_count", "tables_for"]

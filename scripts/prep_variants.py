@@ -30,8 +30,8 @@ VARIANTS = {"product": ()}  # name: extra nvcc flags, e.g. "before": ("-DFQT_PRE
 # (hqk, hv, prep_threads or None for the default plan's)
 PLANS = [(16, 16, None), (2, 8, None), (2, 8, 128), (4, 4, None)]
 # (plan index, seqlens, decay, l2norm): tails that are not a multiple of 64, varlen, strong/weak/zero
-CHECKS = [(0, [5000], "mixed", False), (0, [1000, 37], "zero", False), (0, [2100, 300], "strong", True), (1, [777, 1500, 63], "strong", False),
-          (2, [2100], "weak", True), (3, [777, 1500, 63], "mixed", False)]
+CHECKS = [(0, [5000], "mixed", False), (0, [1000, 37], "zero", False), (0, [2100, 300], "strong", True),
+          (1, [777, 1500, 63], "strong", False), (2, [2100], "weak", True), (3, [777, 1500, 63], "mixed", False)]
 TIMED = [(0, Case(16, 16, (32768,))), (0, Case(16, 16, (8192,))), (0, Case(16, 16, (1024,) * 8)),
          (1, Case(2, 8, (32768,))), (2, Case(2, 8, (32768,)))]
 
