@@ -2,6 +2,8 @@
 # The next session's kernel calls (carry [".whl-bench", ".anchors"]), one step per device call:
 #   bash scripts/h200_next_session.sh tests       GPU tests of the forward on the current kernel
 #                                                 and the per-kernel profile
+#   bash scripts/h200_next_session.sh pair        on nvidia-h200-x2: the tests step on GPU 0 and the
+#                                                 sweep step on GPU 1 at once (one call, half the device time)
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
 #   bash scripts/h200_next_session.sh sweep       plan variants (scripts/tile_sweep.py), oracle-checked and timed
 #   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
@@ -42,24 +44,34 @@ same_run_scoreboard() {
     "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s "$budget_s" --prewarm > "$OUT/scoreboard_run.log" 2>&1
   tail -n 40 "$OUT/scoreboard_run.log"
 }
+forward_gpu_tests() {
+  # The module in three pytest processes on the one GPU (nothing here is timed, so they may
+  # share it): most of its 361 s in one process was FLA's Triton JIT and autotuning for the
+  # error bar of each new head configuration, which the groups now pay side by side. The
+  # plans build once (the cache's file lock makes the other processes wait for them).
+  local timeout_s=$1 oracle="test_forward_matches_float64_oracle" i
+  local groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero)"
+                "$oracle and (gva_varlen_fp16 or no_gva or group3 or batch2 or state_v_first)"
+                "not $oracle")
+  for i in 0 1 2; do
+    timeout "$timeout_s" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider --durations=0 \
+      -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
+  done
+  wait
+  cat "$OUT"/gpu_tests_[012].log > "$OUT/gpu_tests.log"
+  for i in 0 1 2; do grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -n 1; done
+}
 case "${1:-tests}" in
+  pair)
+    # two GPUs of one host: the untimed tests on GPU 0, the timed sweep alone on GPU 1
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 forward_gpu_tests 500 > "$OUT/tests_summary.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 520 python3 scripts/tile_sweep.py "$OUT" > "$OUT/tile_sweep.log" 2>&1 &
+    wait
+    cat "$OUT/tests_summary.txt"; tail -n 45 "$OUT/tile_sweep.log" | cut -c1-220 ;;
   tests)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" 2>&1 | tee "$OUT/info.txt"
-    # The module in three pytest processes on the one GPU (nothing here is timed, so they may
-    # share it): most of its 361 s in one process was FLA's Triton JIT and autotuning for the
-    # error bar of each new head configuration, which the groups now pay side by side. The
-    # plans build once (the cache's file lock makes the other processes wait for them).
-    oracle="test_forward_matches_float64_oracle"
-    groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero)"
-            "$oracle and (gva_varlen_fp16 or no_gva or group3 or batch2 or state_v_first)"
-            "not $oracle")
-    for i in 0 1 2; do
-      timeout 420 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider --durations=0 \
-        -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
-    done
-    wait
-    cat "$OUT"/gpu_tests_[012].log > "$OUT/gpu_tests.log"
-    for i in 0 1 2; do grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -n 1; done
+    forward_gpu_tests 420
     timeout 150 python3 scripts/kernel_profile.py "$OUT" 2>&1 | grep heads ;;
   host)
     # with .anchors carried, FLA and FlashQLA are timed too (their first calls compile: ~1-2 min)
