@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include <mutex>
+#include <type_traits>
 
 #include "gdn_abi.h"
 #include "gdn_cp.cuh"
@@ -148,6 +149,37 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
   return cudaStreamWaitEvent(stream, setup.chain_done, 0);
 }
 
+// The same parameters for another configuration of the same shapes (TwoPerSmConfig): its TMA
+// descriptors and tiles are the plan's.
+template <class To, class From>
+FwdParams<To> fwd_params_as(const FwdParams<From>& f) {
+  static_assert(std::is_same_v<typename To::TmaQK, typename From::TmaQK> &&
+                    std::is_same_v<typename To::TmaV, typename From::TmaV> &&
+                    std::is_same_v<typename To::TmaMat, typename From::TmaMat>,
+                "the two configurations must load the same tiles");
+  FwdParams<To> t{f.tma_q, f.tma_k, f.tma_v, f.tma_aw, f.tma_p, f.gamma, f.ready, f.cu_seqlens, f.initial_state,
+                  f.final_state, f.jobs, f.o, f.total_tokens, f.num_seqs, f.num_slots, f.scale};
+  t.job_pass = f.job_pass;
+  return t;
+}
+
+// The sequential kernel, one CTA per (v tile, v-head, sequence), as the prep's programmatic
+// dependent: its launch and prologue hide behind the prep.
+template <class Cfg, class Kernel>
+cudaError_t launch_sequential(Kernel kernel, const FwdParams<Cfg>& fp, int64_t N, cudaStream_t stream) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(N));
+  config.blockDim = dim3(Cfg::Threads);
+  config.dynamicSmemBytes = Cfg::SmemBytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, fp);
+}
+
 template <class Cfg>
 cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
@@ -161,7 +193,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   const Workspace<Cfg> ws(T, N, cp ? a.max_segments : 0);
   char* base = static_cast<char*>(a.workspace);
 
-  using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK, Cfg::PrepThreads>;
+  using PrepCfg = PrepConfigFor<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
   auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
   // Once per device and plan (thread-safe): function attributes and occupancy belong to the
@@ -177,6 +209,11 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     cudaError_t e = cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, PrepCfg::SmemBytes);
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
+    if constexpr (TwoPerSmConfig<Cfg>::exists) {
+      using Two = typename TwoPerSmConfig<Cfg>::type;
+      if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(gdn_fwd_kernel<Two>, cudaFuncAttributeMaxDynamicSharedMemorySize, Two::SmemBytes);
+    }
     if (e == cudaSuccess)  // the context-parallel state pass
       e = cudaFuncSetAttribute(gdn_fwd_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
     if (e == cudaSuccess)  // the exact chain's two column widths
@@ -273,17 +310,13 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       a.scale,
   };
   if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, setup, stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(N));
-  config.blockDim = dim3(Cfg::Threads);
-  config.dynamicSmemBytes = Cfg::SmemBytes;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, main_kernel, fp);
+  if constexpr (TwoPerSmConfig<Cfg>::exists) {
+    // More chains than SMs: two per SM in one wave instead of two waves (no prep overlap then).
+    using Two = typename TwoPerSmConfig<Cfg>::type;
+    if (main_ctas > sm_count && !overlap)
+      return launch_sequential<Two>(gdn_fwd_kernel<Two>, fwd_params_as<Two>(fp), N, stream);
+  }
+  return launch_sequential<Cfg>(main_kernel, fp, N, stream);
 }
 
 template <class Cfg>

@@ -148,6 +148,20 @@ struct FwdConfig {
   using TmaMat = decltype(tma_mat(nullptr, 1));
 };
 
+// The plan's sequential kernel at two CTAs per SM, for calls with more sequential CTAs than SMs
+// (many sequences times v-heads), which one CTA per SM runs in two waves: one pipeline stage and a
+// 24 / 232 register split fit two (tile sweep, eleventh session: 16/32 8192x4 0.844 against 0.883
+// ms, 1024x8 0.233 against 0.245). Only the pipeline depth and the register split differ, so the
+// results are the plan's bit for bit. Plans with two consumer warp groups, an output warp group or
+// two CTAs per SM already have none.
+template <class Cfg>
+struct TwoPerSmConfig {
+  static constexpr bool exists = Cfg::CtasPerSm == 1 && Cfg::BlockV == 64 && !Cfg::OutputGroup;
+  using type = FwdConfig<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV, 64, /*stages=*/1,
+                         Cfg::StateVFirst, /*producer_regs=*/24, /*consumer_regs=*/232, /*ctas_per_sm=*/2,
+                         /*output_group=*/false, Cfg::PrepThreads>;
+};
+
 template <class Cfg>
 struct FwdParams {
   typename Cfg::TmaQK tma_q;

@@ -13,8 +13,9 @@
 // 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
 // (gdn_prep_solve_mma.cuh); otherwise one column per thread for up to Threads / 64 v-heads at
 // once. Threads is a plan parameter (prep_threads): 256 solves four v-heads per item; 128 solves
-// two but fits three CTAs per SM, for models with one or two v-heads per q/k head, where most of
-// a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so
+// two but fits three CTAs per SM (four with one v-head per q/k head, whose P leaves from the
+// Q K^T accumulators), for models with one or two v-heads per q/k head, where most of a
+// 256-thread CTA would idle in the solve. With ready flags, each finished item is published so
 // the sequential kernel can run beside this one (see gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
@@ -56,6 +57,17 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
+// Measurement switch (scripts/prep_variants.py; eleventh session): 0 keeps the fp32 Q K^T tile and
+// writes P from shared memory for every configuration.
+#ifndef FQT_PREP_P_IN_REGS
+#define FQT_PREP_P_IN_REGS 1
+#endif
+// One v-head per q/k head with one warp group: P is written from the Q K^T accumulators, so the
+// CTA needs no fp32 Q K^T tile (50 instead of 67 KB of shared memory) and, with the solve's
+// column streamed from shared memory instead of held in 64 registers, fits 128 registers a thread:
+// four CTAs per SM instead of three (the prep waits on latency: ncu, tenth session).
+constexpr bool prep_p_in_registers(int G, int Threads) { return FQT_PREP_P_IN_REGS && G == 1 && Threads == 128; }
+
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
 // made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
@@ -89,12 +101,14 @@ __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const fl
   *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <class Elem, int Hqk, int HeadK, int Threads_>
+template <class Elem, int Hqk, int HeadK, int Threads_, bool PInRegisters_ = false>
 struct PrepConfig {
   static constexpr int Threads = Threads_;
   static_assert(Threads == 128 || Threads == 256, "the prep kernel runs one or two warp groups");
   static constexpr int HeadBatch = Threads / kChunk;  // v-heads solved at once: one A0 column per thread
-  static constexpr int CtasPerSm = Threads == 256 ? 2 : 3;
+  static constexpr bool PInRegisters = PInRegisters_;
+  static_assert(!PInRegisters || Threads == 128, "P from the accumulators needs Q K^T in the one warp group");
+  static constexpr int CtasPerSm = Threads == 256 ? 2 : (PInRegisters ? 4 : 3);
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;
   using LayoutQK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, CK>{}));
@@ -111,7 +125,7 @@ struct PrepConfig {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
     float kk[kChunk * kPrepPad];
-    float qk[kChunk * kPrepPad];
+    float qk[PInRegisters ? 4 : kChunk * kPrepPad];  // unused (a token array) when P leaves from registers
     float gamma[HeadBatch][kChunk];
     float beta[HeadBatch][kChunk];
     float g_next[HeadBatch][kChunk];     // the next item's gates and betas (first head batch), copied
@@ -183,10 +197,13 @@ __device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item) 
 }
 
 template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
-__global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads>::CtasPerSm))
-    gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfig<Elem, Hqk, HeadK, Threads>> args) {
+using PrepConfigFor = PrepConfig<Elem, Hqk, HeadK, Threads, prep_p_in_registers(Hv / Hqk, Threads)>;
+
+template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
+__global__ void __launch_bounds__(Threads, (PrepConfigFor<Elem, Hqk, Hv, HeadK, Threads>::CtasPerSm))
+    gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfigFor<Elem, Hqk, Hv, HeadK, Threads>> args) {
   constexpr int G = Hv / Hqk;
-  using Cfg = PrepConfig<Elem, Hqk, HeadK, Threads>;
+  using Cfg = PrepConfigFor<Elem, Hqk, Hv, HeadK, Threads>;
   constexpr int HeadBatch = Cfg::HeadBatch;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
@@ -368,7 +385,25 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         warpgroup_fence_operand(acc_k);
         warpgroup_fence_operand(acc_q);
         store_tile(acc_k, ss.kk);
-        store_tile(acc_q, ss.qk);
+        if constexpr (!Cfg::PInRegisters) {
+          store_tile(acc_q, ss.qk);
+        } else if constexpr (prep_runs(kAblatePOut)) {
+          // P[i][j] = scale e^{gamma_i - gamma_j} (q_i . k_j) for j <= i < L, else 0, straight from
+          // the accumulators (the same arithmetic as store_p_octet): each thread stores its
+          // neighbouring column pairs as 4-byte words, a quarter warp filling 16 bytes of a row.
+          // The gates were scanned in step 0, before the barrier above.
+          const float* gam = ss.gamma[0];
+          Elem* pm = static_cast<Elem*>(args.p) + (int64_t(hqk) * args.num_slots + slot) * kChunk * kChunk;
+          CUTE_UNROLL
+          for (int e = 0; e < size(acc_q); e += 2) {
+            const int i = get<0>(crd(e)), j = get<1>(crd(e));
+            const float gi = gam[i];
+            const float2 gj = *reinterpret_cast<const float2*>(gam + j);
+            const float p0 = args.scale * exp_ftz(i < L && j <= i ? gi - gj.x : -INFINITY) * acc_q(e);
+            const float p1 = args.scale * exp_ftz(i < L && j + 1 <= i ? gi - gj.y : -INFINITY) * acc_q(e + 1);
+            *reinterpret_cast<uint32_t*>(pm + i * kChunk + j) = pack2<Elem>(p0, p1);
+          }
+        }
       } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
         const bool kk_gemm = tid < 128;
         Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
@@ -417,38 +452,26 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         const int h = tid / kChunk, c = tid % kChunk;
         if (h < nb) {
           const float* bet = ss.beta[h];
-          float x[kChunk];
-          // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
-          // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
-          auto solve_from = [&](auto first_row) {
-            constexpr int I0 = decltype(first_row)::value;
-            CUTE_UNROLL
-            for (int i = 0; i < I0; ++i) x[i] = 0.f;
-            CUTE_UNROLL
-            for (int i = I0; i < kChunk; ++i) {
-              const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
-              float part[4] = {0.f, 0.f, 0.f, 0.f};
-              CUTE_UNROLL
-              for (int j4 = I0; j4 < i; j4 += 4) {
-                const float4 kk = row[j4 / 4];
-                const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
-                CUTE_UNROLL
-                for (int t = 0; t < 4; ++t)
-                  if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
-              }
-              const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
-              x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+          const int hv = hqk * G + hb + h;
+          Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+          const float gc = ss.gamma[h][c], bc = bet[c];
+          // The mask selects the exponent (e^-inf = 0), not the result: nvcc put each exponential
+          // of a selected result behind its own branch, so the steps ran one after another (a
+          // variant that staged Aw in shared memory: prep 0.271 ms on 16/16 1x32768 with the
+          // result selected, 0.214 with the exponent; kernel-notes, tenth session).
+          auto store_aw = [&](int i, float xi) {
+            if constexpr (prep_runs(kAblateAwOut)) {
+              const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
+              aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
             }
           };
-          if constexpr (!prep_runs(kAblateSolve)) {
-            CUTE_UNROLL
-            for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
-          } else if constexpr (G == 1) {
+          if constexpr (G == 1 && prep_runs(kAblateSolve)) {
             // One v-head: the 64 solving threads share the work by 16 x 16 blocks on the tensor
             // cores (gdn_prep_solve_mma.cuh); X lands in K K^T's upper triangle, column c of X in
-            // row c of the tile (16-byte loads, conflict-free within each quarter warp). G = 1
-            // makes nb = 1, so exactly warps 0 and 1 get here: the 64 threads that named
-            // barrier 1 inside the solve waits for. No other thread of the CTA may use barrier 1.
+            // row c of the tile (16-byte loads, conflict-free within each quarter warp), streamed
+            // to Aw without holding the column in registers. G = 1 makes nb = 1, so exactly warps
+            // 0 and 1 get here: the 64 threads that named barrier 1 inside the solve waits for.
+            // No other thread of the CTA may use barrier 1.
             static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
             solve_mma::solve<kPrepPad>(ss.kk, bet, tid);
             const float4* col = reinterpret_cast<const float4*>(ss.kk + c * kPrepPad);
@@ -459,32 +482,49 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
               CUTE_UNROLL
               for (int u = 0; u < 4; ++u) {
                 const int i = 4 * i4 + u;
-                x[i] = i > c ? vv[u] : (i == c ? 1.f : 0.f);
+                store_aw(i, i > c ? vv[u] : (i == c ? 1.f : 0.f));
               }
             }
-          } else if (c >= kChunk / 2) {
-            solve_from(Int<kChunk / 2>{});
           } else {
-            solve_from(Int<0>{});
-          }
-          const int hv = hqk * G + hb + h;
-          Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-          const float gc = ss.gamma[h][c], bc = bet[c];
-          if constexpr (prep_runs(kAblateAwOut)) {
-            CUTE_UNROLL
-            for (int i = 0; i < kChunk; ++i) {
-              // The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
-              // exponential of a selected result behind its own branch, so the steps ran one after
-              // another (a variant that staged Aw in shared memory: prep 0.271 ms on 16/16 1x32768
-              // with the result selected, 0.214 with the exponent; kernel-notes, tenth session).
-              const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
-              aw[i * kChunk + c] = Elem(exp_ftz(d) * x[i] * bc);
+            float x[kChunk];
+            // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
+            // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
+            auto solve_from = [&](auto first_row) {
+              constexpr int I0 = decltype(first_row)::value;
+              CUTE_UNROLL
+              for (int i = 0; i < I0; ++i) x[i] = 0.f;
+              CUTE_UNROLL
+              for (int i = I0; i < kChunk; ++i) {
+                const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+                CUTE_UNROLL
+                for (int j4 = I0; j4 < i; j4 += 4) {
+                  const float4 kk = row[j4 / 4];
+                  const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+                  CUTE_UNROLL
+                  for (int t = 0; t < 4; ++t)
+                    if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+                }
+                const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
+                x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+              }
+            };
+            if constexpr (!prep_runs(kAblateSolve)) {
+              CUTE_UNROLL
+              for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
+            } else if (c >= kChunk / 2) {
+              solve_from(Int<kChunk / 2>{});
+            } else {
+              solve_from(Int<0>{});
             }
+            CUTE_UNROLL
+            for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
           }
         }
       }
 
-      // 5. P with the decay mask (store_p_octet), and the slot's gamma row. When the solve
+      // 5. P with the decay mask (store_p_octet; from the accumulators in step 2 instead when
+      //    Cfg::PInRegisters), and the slot's gamma row. When the solve
       //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
       //    128 threads, two on 16/32 with 256), those threads write all of P while the others
       //    solve, which takes P off the item's critical path; otherwise every thread writes its
@@ -496,8 +536,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
         const float* gam = ss.gamma[h];
         Elem* pm = static_cast<Elem*>(args.p) + base;
-        for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
-          store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
+        if constexpr (!Cfg::PInRegisters)  // else written from the GEMM's accumulators (step 2)
+          for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
+            store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
         if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
       }
       __syncthreads();

@@ -4,6 +4,11 @@
 #                                                 and the per-kernel profile
 #   bash scripts/h200_next_session.sh pair        on nvidia-h200-x2: the tests step on GPU 0 and the
 #                                                 sweep step on GPU 1 at once (one call, half the device time)
+#   bash scripts/h200_next_session.sh pair-prep   on nvidia-h200-x2: the tests step's GPU tests on GPU 0 and
+#                                                 the variants step on GPU 1 at once
+#   bash scripts/h200_next_session.sh pair-score  on nvidia-h200-x2: the cp-bench scoreboard of all six head
+#                                                 configurations, three on each GPU (OUT/gpu0, OUT/gpu1), then
+#                                                 the host step on GPU 0 once its half is done
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
 #   bash scripts/h200_next_session.sh sweep       plan variants (scripts/tile_sweep.py), oracle-checked and timed
 #   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
@@ -69,6 +74,29 @@ case "${1:-tests}" in
     CUDA_VISIBLE_DEVICES=1 timeout 520 python3 scripts/tile_sweep.py "$OUT" > "$OUT/tile_sweep.log" 2>&1 &
     wait
     cat "$OUT/tests_summary.txt"; tail -n 45 "$OUT/tile_sweep.log" | cut -c1-220 ;;
+  pair-prep)
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 forward_gpu_tests 500 > "$OUT/tests_summary.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 520 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1 &
+    wait
+    cat "$OUT/tests_summary.txt"; grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 14 | cut -c1-400 ;;
+  pair-score)
+    # each half in its own OUT (the bench writes scoreboard.* there); --prewarm builds in parallel
+    score_half() {
+      local gpu=$1
+      shift
+      mkdir -p "$OUT/gpu$gpu"
+      CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/gpu$gpu" timeout 440 bash scripts/h200_scoreboard.sh --impl flashqla_tune \
+        --impl flashqla_tune_single_chain --impl flashqla_tune_warmup --impl flashqla_tune_exact_cp --impl fla \
+        --impl flashqla "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s 370 --prewarm \
+        > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
+    }
+    score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
+    score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    wait
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" > "$OUT/host_overhead.log" 2>&1
+    tail -n 2 "$OUT/host_overhead.log"
+    for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done ;;
   tests)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" 2>&1 | tee "$OUT/info.txt"
     forward_gpu_tests 420
@@ -159,5 +187,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (pair | pair-prep | pair-score | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac

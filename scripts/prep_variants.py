@@ -26,14 +26,19 @@ from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 
-VARIANTS = {"product": ()}  # name: extra nvcc flags, e.g. "before": ("-DFQT_PREP_SOMETHING=0",)
-# (hqk, hv, prep_threads or None for the default plan's)
-PLANS = [(16, 16, None), (2, 8, None), (2, 8, 128), (4, 4, None)]
+# name: extra nvcc flags. Eleventh session: P from the Q K^T accumulators (four CTAs per SM for one
+# v-head per q/k head) against the fp32 Q K^T tile (three).
+VARIANTS = {"product": (), "p_tile": ("-DFQT_PREP_P_IN_REGS=0",)}
+# (hqk, hv, prep_threads or None for the default plan's); 16/32 with both thread counts: whether
+# its default should take the 128-thread prep too (it won the tenth session's sweep at two CTAs per SM)
+PLANS = [(16, 16, None), (2, 8, None), (2, 8, 128), (4, 4, None), (16, 32, None), (16, 32, 128)]
 # (plan index, seqlens, decay, l2norm): tails that are not a multiple of 64, varlen, strong/weak/zero
 CHECKS = [(0, [5000], "mixed", False), (0, [1000, 37], "zero", False), (0, [2100, 300], "strong", True),
-          (1, [777, 1500, 63], "strong", False), (2, [2100], "weak", True), (3, [777, 1500, 63], "mixed", False)]
+          (1, [777, 1500, 63], "strong", False), (2, [2100], "weak", True), (3, [777, 1500, 63], "mixed", False),
+          (5, [1000, 37], "mixed", True)]
 TIMED = [(0, Case(16, 16, (32768,))), (0, Case(16, 16, (8192,))), (0, Case(16, 16, (1024,) * 8)),
-         (1, Case(2, 8, (32768,))), (2, Case(2, 8, (32768,)))]
+         (1, Case(2, 8, (32768,))), (2, Case(2, 8, (32768,))), (4, Case(16, 32, (32768,))),
+         (5, Case(16, 32, (32768,))), (4, Case(16, 32, (1024,) * 8)), (5, Case(16, 32, (1024,) * 8))]
 
 
 def plan_of(hqk: int, hv: int, threads: int | None) -> KernelPlan:

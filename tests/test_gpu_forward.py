@@ -368,6 +368,34 @@ def test_prep_with_128_threads_agrees_bitwise(hqk, hv):
     assert_written_and_equal(threads_256, threads_128)
 
 
+def one_sequence_of(inp, n):
+    """Sequence n of a varlen case as a case of its own (same tensors, sliced)."""
+    lo, hi = (int(x) for x in inp["cu_seqlens"][n:n + 2])
+    one = {name: inp[name][:, lo:hi] for name in ("q", "k", "v", "g", "beta")}
+    one.update(initial_state=inp["initial_state"][n:n + 1], state_v_first=inp["state_v_first"],
+               cu_seqlens=torch.tensor([0, hi - lo], device=DEV))
+    return one, slice(lo, hi)
+
+
+@pytest.mark.parametrize("hqk, hv, seqlens", [
+    (2, 8, [1500, 333, 64, 2100, 700, 129, 1, 999, 4000]),  # 9 x 8 x 2 = 144 sequential CTAs
+    (16, 16, [777, 2049, 65, 300, 1200]),                   # 5 x 16 x 2 = 160: the 4-CTA prep too
+])
+def test_two_ctas_per_sm_for_many_chains_is_bitwise_the_plans_kernel(hqk, hv, seqlens):
+    """A call with more sequential CTAs than SMs runs the plan's sequential kernel at two CTAs per
+    SM (TwoPerSmConfig in csrc/gdn_fwd_mainloop.cuh); each sequence alone runs the plan's own. Both
+    give bitwise the same output and final state (batch invariance across the switch)."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert 2 * hv * len(seqlens) > sms >= 2 * hv, "the batch must cross the switch and one sequence not"
+    inp = make_case(14, seqlens, hqk, hv, torch.bfloat16, "mixed", True, False)
+    with torch.no_grad():
+        o_all, s_all = run_ours(inp, False)
+        for n in (1, 3, len(seqlens) - 1):
+            one, rows = one_sequence_of(inp, n)
+            o_one, s_one = run_ours(one, False)
+            assert_written_and_equal((o_all[:, rows], s_all[n:n + 1]), (o_one, s_one))
+
+
 @pytest.mark.parametrize("tiles", TILE_VARIANTS, ids=lambda t: KernelPlan(ops._spec(2, 8, 128, 128, True, False), t).name.split("__")[1])
 def test_tile_variants_meet_the_accuracy_bar(tiles):
     """Non-default plans (output warp group, two consumers, other pipeline depths, two CTAs per
