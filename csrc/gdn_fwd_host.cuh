@@ -193,7 +193,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   const Workspace<Cfg> ws(T, N, cp ? a.max_segments : 0);
   char* base = static_cast<char*>(a.workspace);
 
-  using PrepCfg = PrepConfigFor<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
+  using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK, Cfg::PrepThreads>;
   auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
   // Once per device and plan (thread-safe): function attributes and occupancy belong to the

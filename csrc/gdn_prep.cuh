@@ -13,9 +13,8 @@
 // 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
 // (gdn_prep_solve_mma.cuh); otherwise one column per thread for up to Threads / 64 v-heads at
 // once. Threads is a plan parameter (prep_threads): 256 solves four v-heads per item; 128 solves
-// two but fits three CTAs per SM (four with one v-head per q/k head, whose P leaves from the
-// Q K^T accumulators), for models with one or two v-heads per q/k head, where most of a
-// 256-thread CTA would idle in the solve. With ready flags, each finished item is published so
+// two but fits three CTAs per SM, for models with one or two v-heads per q/k head, where most of
+// a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so
 // the sequential kernel can run beside this one (see gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
@@ -57,17 +56,6 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
-// Measurement switch (scripts/prep_variants.py; eleventh session): 0 keeps the fp32 Q K^T tile and
-// writes P from shared memory for every configuration.
-#ifndef FQT_PREP_P_IN_REGS
-#define FQT_PREP_P_IN_REGS 1
-#endif
-// One v-head per q/k head with one warp group: P is written from the Q K^T accumulators, so the
-// CTA needs no fp32 Q K^T tile (50 instead of 67 KB of shared memory) and, with the solve's
-// column streamed from shared memory instead of held in 64 registers, fits 128 registers a thread:
-// four CTAs per SM instead of three (the prep waits on latency: ncu, tenth session).
-constexpr bool prep_p_in_registers(int G, int Threads) { return FQT_PREP_P_IN_REGS && G == 1 && Threads == 128; }
-
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
 // made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
@@ -101,14 +89,12 @@ __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const fl
   *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-template <class Elem, int Hqk, int HeadK, int Threads_, bool PInRegisters_ = false>
+template <class Elem, int Hqk, int HeadK, int Threads_>
 struct PrepConfig {
   static constexpr int Threads = Threads_;
   static_assert(Threads == 128 || Threads == 256, "the prep kernel runs one or two warp groups");
   static constexpr int HeadBatch = Threads / kChunk;  // v-heads solved at once: one A0 column per thread
-  static constexpr bool PInRegisters = PInRegisters_;
-  static_assert(!PInRegisters || Threads == 128, "P from the accumulators needs Q K^T in the one warp group");
-  static constexpr int CtasPerSm = Threads == 256 ? 2 : (PInRegisters ? 4 : 3);
+  static constexpr int CtasPerSm = Threads == 256 ? 2 : 3;
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;
   using LayoutQK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, CK>{}));
@@ -125,7 +111,7 @@ struct PrepConfig {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
     float kk[kChunk * kPrepPad];
-    float qk[PInRegisters ? 4 : kChunk * kPrepPad];  // unused (a token array) when P leaves from registers
+    float qk[kChunk * kPrepPad];
     float gamma[HeadBatch][kChunk];
     float beta[HeadBatch][kChunk];
     float g_next[HeadBatch][kChunk];     // the next item's gates and betas (first head batch), copied
@@ -197,13 +183,10 @@ __device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item) 
 }
 
 template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
-using PrepConfigFor = PrepConfig<Elem, Hqk, HeadK, Threads, prep_p_in_registers(Hv / Hqk, Threads)>;
-
-template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
-__global__ void __launch_bounds__(Threads, (PrepConfigFor<Elem, Hqk, Hv, HeadK, Threads>::CtasPerSm))
-    gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfigFor<Elem, Hqk, Hv, HeadK, Threads>> args) {
+__global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads>::CtasPerSm))
+    gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfig<Elem, Hqk, HeadK, Threads>> args) {
   constexpr int G = Hv / Hqk;
-  using Cfg = PrepConfigFor<Elem, Hqk, Hv, HeadK, Threads>;
+  using Cfg = PrepConfig<Elem, Hqk, HeadK, Threads>;
   constexpr int HeadBatch = Cfg::HeadBatch;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
@@ -385,25 +368,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfigFor<Elem, Hqk, Hv, HeadK, 
         warpgroup_fence_operand(acc_k);
         warpgroup_fence_operand(acc_q);
         store_tile(acc_k, ss.kk);
-        if constexpr (!Cfg::PInRegisters) {
-          store_tile(acc_q, ss.qk);
-        } else if constexpr (prep_runs(kAblatePOut)) {
-          // P[i][j] = scale e^{gamma_i - gamma_j} (q_i . k_j) for j <= i < L, else 0, straight from
-          // the accumulators (the same arithmetic as store_p_octet): each thread stores its
-          // neighbouring column pairs as 4-byte words, a quarter warp filling 16 bytes of a row.
-          // The gates were scanned in step 0, before the barrier above.
-          const float* gam = ss.gamma[0];
-          Elem* pm = static_cast<Elem*>(args.p) + (int64_t(hqk) * args.num_slots + slot) * kChunk * kChunk;
-          CUTE_UNROLL
-          for (int e = 0; e < size(acc_q); e += 2) {
-            const int i = get<0>(crd(e)), j = get<1>(crd(e));
-            const float gi = gam[i];
-            const float2 gj = *reinterpret_cast<const float2*>(gam + j);
-            const float p0 = args.scale * exp_ftz(i < L && j <= i ? gi - gj.x : -INFINITY) * acc_q(e);
-            const float p1 = args.scale * exp_ftz(i < L && j + 1 <= i ? gi - gj.y : -INFINITY) * acc_q(e + 1);
-            *reinterpret_cast<uint32_t*>(pm + i * kChunk + j) = pack2<Elem>(p0, p1);
-          }
-        }
+        store_tile(acc_q, ss.qk);
       } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
         const bool kk_gemm = tid < 128;
         Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
@@ -523,8 +488,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfigFor<Elem, Hqk, Hv, HeadK, 
         }
       }
 
-      // 5. P with the decay mask (store_p_octet; from the accumulators in step 2 instead when
-      //    Cfg::PInRegisters), and the slot's gamma row. When the solve
+      // 5. P with the decay mask (store_p_octet), and the slot's gamma row. When the solve
       //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
       //    128 threads, two on 16/32 with 256), those threads write all of P while the others
       //    solve, which takes P off the item's critical path; otherwise every thread writes its
@@ -536,9 +500,8 @@ __global__ void __launch_bounds__(Threads, (PrepConfigFor<Elem, Hqk, Hv, HeadK, 
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
         const float* gam = ss.gamma[h];
         Elem* pm = static_cast<Elem*>(args.p) + base;
-        if constexpr (!Cfg::PInRegisters)  // else written from the GEMM's accumulators (step 2)
-          for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
-            store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
+        for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
+          store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
         if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
       }
       __syncthreads();

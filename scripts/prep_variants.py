@@ -26,9 +26,7 @@ from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 
-# name: extra nvcc flags. Eleventh session: P from the Q K^T accumulators (four CTAs per SM for one
-# v-head per q/k head) against the fp32 Q K^T tile (three).
-VARIANTS = {"product": (), "p_tile": ("-DFQT_PREP_P_IN_REGS=0",)}
+VARIANTS = {"product": ()}  # name: extra nvcc flags, e.g. "before": ("-DFQT_PREP_SOMETHING=0",)
 # (hqk, hv, prep_threads or None for the default plan's); 16/32 with both thread counts: whether
 # its default should take the 128-thread prep too (it won the tenth session's sweep at two CTAs per SM)
 PLANS = [(16, 16, None), (2, 8, None), (2, 8, 128), (4, 4, None), (16, 32, None), (16, 32, 128)]

@@ -379,7 +379,7 @@ def one_sequence_of(inp, n):
 
 @pytest.mark.parametrize("hqk, hv, seqlens", [
     (2, 8, [1500, 333, 64, 2100, 700, 129, 1, 999, 4000]),  # 9 x 8 x 2 = 144 sequential CTAs
-    (16, 16, [777, 2049, 65, 300, 1200]),                   # 5 x 16 x 2 = 160: the 4-CTA prep too
+    (16, 16, [777, 2049, 65, 300, 1200]),                   # 5 x 16 x 2 = 160: the 128-thread prep
 ])
 def test_two_ctas_per_sm_for_many_chains_is_bitwise_the_plans_kernel(hqk, hv, seqlens):
     """A call with more sequential CTAs than SMs runs the plan's sequential kernel at two CTAs per
