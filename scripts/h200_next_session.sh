@@ -9,6 +9,8 @@
 #   bash scripts/h200_next_session.sh pair-score  on nvidia-h200-x2: the cp-bench scoreboard of all six head
 #                                                 configurations, three on each GPU (OUT/gpu0, OUT/gpu1), then
 #                                                 the host step on GPU 0 once its half is done
+#   bash scripts/h200_next_session.sh pair-final  on nvidia-h200-x2: the tests step's GPU tests on GPU 0 and
+#                                                 the per-kernel split of the batch-filled rows on GPU 1
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
 #   bash scripts/h200_next_session.sh sweep       plan variants (scripts/tile_sweep.py), oracle-checked and timed
 #   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
@@ -97,6 +99,18 @@ case "${1:-tests}" in
     CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" > "$OUT/host_overhead.log" 2>&1
     tail -n 2 "$OUT/host_overhead.log"
     for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done ;;
+  pair-final)
+    # the device returns at most 8 files: the three test groups' logs stay only in gpu_tests.log
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 forward_gpu_tests 480 > "$OUT/tests_summary.txt" 2>&1 &
+    rows=()
+    for h in 16/32 8/32 8/24 16/16; do rows+=(--heads "$h"); done
+    for s in 8192x4 16384+16384 1024x8; do rows+=(--seqlens "$s"); done
+    CUDA_VISIBLE_DEVICES=1 timeout 480 python3 -P scripts/kernel_split.py "$OUT" "${rows[@]}" --impl flashqla_tune_warmup \
+      --impl flashqla_tune_single_chain --impl flashqla > "$OUT/kernel_split.log" 2>&1 &
+    wait
+    rm -f "$OUT"/gpu_tests_[012].log
+    cat "$OUT/tests_summary.txt"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-200 ;;
   tests)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" 2>&1 | tee "$OUT/info.txt"
     forward_gpu_tests 420
@@ -187,5 +201,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (pair | pair-prep | pair-score | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (pair | pair-prep | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac

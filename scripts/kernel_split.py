@@ -8,6 +8,7 @@ eager calls on the same inputs (bench.timing.kernel_launches_and_ms_per_call); p
 launches per call and us per call. Kernel time only: launch gaps and host time are not in it.
 
     FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/kernel_split.py OUT_DIR [--heads 16/16 ...]
+        [--seqlens 8192x4 ...] [--impl flashqla_tune_single_chain ...]
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.cases import Case, parse_seqlens
 from flashqla_tune.bench.impls import call, load_impls
 from flashqla_tune.bench.inputs import make_rotation
 from flashqla_tune.bench.timing import kernel_launches_and_ms_per_call
@@ -48,13 +49,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--heads", action="append", default=None, help="H_qk/H_v (default 16/16 and 2/8)")
+    parser.add_argument("--seqlens", action="append", default=None,
+                        help="a row's lengths as the scoreboard writes them, e.g. 8192x4 or 16384+16384 (default: five rows)")
+    parser.add_argument("--impl", action="append", default=None, help=f"implementations (default {IMPLS})")
     args = parser.parse_args(argv)
-    impls, skipped = load_impls(IMPLS)
+    impls, skipped = load_impls(args.impl or IMPLS)
+    seqlens_rows = [parse_seqlens(label) for label in args.seqlens] if args.seqlens else SEQLENS
     rows = []
     with torch.no_grad():
         for heads in args.heads or ["16/16", "2/8"]:
             hqk, hv = (int(h) for h in heads.split("/"))
-            for seqlens in SEQLENS:
+            for seqlens in seqlens_rows:
                 case = Case(hqk, hv, seqlens)
                 x = make_rotation(case, 1, "cuda")[0]
                 row = {"heads": heads, "seqlens": case.seqlens_label, "impls": {}}
