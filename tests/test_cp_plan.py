@@ -42,6 +42,21 @@ def test_the_model_keeps_to_what_the_h200_measured():
         assert 16 <= segment_length(512, 16, profile, H200, qk_heads=2) <= 64
 
 
+def test_a_split_into_more_ctas_than_slots_pays_a_wave_tail():
+    """The v11 scoreboard (docs/kernel-notes.md, eleventh session), lone 8192-token rows with the
+    protocol's calibration (a quarter of the heads exact, windows of 4-5 chunks): split into 32-chunk
+    segments, 16/16 (32 chains, 128 CTAs: one wave) ran 0.76 of one chain, 8/32 (64 chains, 256 CTAs)
+    0.96. The wave tail keeps the first split and declines the second; 32k tokens still split."""
+    protocol = WarmupProfile(exact_share=0.25, mean_window=4.8, max_window=5)
+    assert segment_length(128, 32, protocol, H200, qk_heads=16) == 32        # 16/16
+    assert segment_length(128, 64, protocol, H200, qk_heads=8) == 0          # 8/32
+    assert segment_length(128, 48, protocol, H200, qk_heads=8) == 0          # 8/24
+    assert segment_length(512, 64, protocol, H200, qk_heads=8) > 0           # 8/32, 32k tokens
+    no_tail = Machine(wave_tail=0.0)
+    assert segment_length(128, 64, protocol, no_tail, qk_heads=8) == 32      # what the model chose before
+    assert makespan(128, 32, 64, protocol, H200, 8) == makespan(128, 32, 64, protocol, no_tail, 8) + H200.wave_tail
+
+
 def test_the_batch_hedge_gives_up_splits_that_multiply_the_work():
     """Exact heads multiply the work of a split (state pass, transition, chain): worth it for a
     lone sequence of 32k tokens (cp3 profile, 4/16 1x32768: L128 0.698 ms vs one chain 0.900), not
@@ -86,6 +101,7 @@ def test_profile_from_tables_and_calibration_shape():
     (lambda: WarmupProfile.from_tables([[2, 0]]), "must be -1 \\(exact\\) or >= 1 chunks, got 0"),
     (lambda: WarmupProfile.from_tables([]), "no warm-up values"),
     (lambda: Machine(sms=0), "sms=0"),
+    (lambda: Machine(wave_tail=-1.0), "wave_tail=-1.0"),
     (lambda: segment_length(64, 0, WarmupProfile(0.0, 1.0, 1), H200), "chains=0 and qk_heads=1 must be >= 1"),
 ])
 def test_bad_inputs_name_the_value(make, message):
