@@ -98,7 +98,9 @@ case "${1:-tests}" in
     wait
     CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" > "$OUT/host_overhead.log" 2>&1
     tail -n 2 "$OUT/host_overhead.log"
-    for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done ;;
+    for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done
+    # the device returns at most 8 files a call: each half as one archive
+    for gpu in 0 1; do tar -C "$OUT" -czf "$OUT/scoreboard-gpu$gpu.tar.gz" "gpu$gpu" && rm -rf "${OUT:?}/gpu$gpu"; done ;;
   pair-final)
     # the device returns at most 8 files: the three test groups' logs stay only in gpu_tests.log
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
