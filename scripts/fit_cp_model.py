@@ -35,7 +35,7 @@ UNSPLIT_CP_OVERHEAD_MS = 0.015
 V_TILES = 2  # the default plans' block_v = 64 for V = 128
 # The costs cp_plan.py had when the op-default scoreboards of 2026-11-30 ran (their tables).
 OPDEFAULT_RUN_MACHINE = Machine(cta_start=2.0, chain_step=4.0, cp_fixed=8.0, state_step=0.4, prep_item=7.5,
-                                batch_weight=0.35, min_segment=32)
+                                batch_weight=0.35, min_segment=32, wave_tail=0.0)
 DEFAULT_PROFILE = WarmupProfile(exact_share=0.25, mean_window=8.0, max_window=8)  # flashqla_tune/warmup.py
 
 
@@ -152,6 +152,7 @@ GRID = {
     "cp_fixed": (4.0, 8.0, 16.0),
     "batch_weight": (0.0, 0.15, 0.25, 0.35),
     "min_segment": (16, 32),
+    "wave_tail": (0.0, 25.0),
 }
 
 
