@@ -402,6 +402,11 @@ def test_shipped_plans_compile_for_sm90a_on_tensor_cores_and_tma(tmp_path):
         summary = sass.instruction_counts(entry.so_path)
         fwd = [f for f in summary.per_function if "gdn_fwd_kernel" in f]
         assert fwd, f"{entry.plan.name}: no gdn_fwd_kernel in {list(summary.per_function)}"
+        # the plan's sequential kernel, its CP state pass, and (one consumer warp group at one CTA per
+        # SM, no output group: csrc/gdn_fwd_mainloop.cuh TwoPerSmConfig) its two-CTAs-per-SM copy
+        t = entry.plan.tiles
+        two_per_sm = t.block_v == 64 and t.ctas_per_sm == 1 and not t.output_group
+        assert len(fwd) == (3 if two_per_sm else 2), f"{entry.plan.name}: sequential kernels {fwd}"
         for f in fwd:
             assert summary.count("HGMMA", f) > 0, f"{entry.plan.name}: {f} does not use wgmma"
             assert summary.count("UTMALDG", f) > 0, f"{entry.plan.name}: {f} does not load with TMA"
