@@ -377,17 +377,18 @@ def one_sequence_of(inp, n):
     return one, slice(lo, hi)
 
 
-@pytest.mark.parametrize("hqk, hv, seqlens", [
-    (2, 8, [1500, 333, 64, 2100, 700, 129, 1, 999, 4000]),  # 9 x 8 x 2 = 144 sequential CTAs
-    (16, 16, [777, 2049, 65, 300, 1200]),                   # 5 x 16 x 2 = 160: the 128-thread prep
+@pytest.mark.parametrize("hqk, hv, seqlens, dtype, state_v_first", [
+    (2, 8, [1500, 333, 64, 2100, 700, 129, 1, 999, 4000], torch.bfloat16, False),  # 9 x 8 x 2 = 144 CTAs
+    (16, 16, [777, 2049, 65, 300, 1200], torch.bfloat16, False),  # 5 x 16 x 2 = 160: the 128-thread prep
+    (4, 16, [900, 65, 1, 2000, 130], torch.float16, True),        # fp16 inputs, the [V, K] state
 ])
-def test_two_ctas_per_sm_for_many_chains_is_bitwise_the_plans_kernel(hqk, hv, seqlens):
+def test_two_ctas_per_sm_for_many_chains_is_bitwise_the_plans_kernel(hqk, hv, seqlens, dtype, state_v_first):
     """A call with more sequential CTAs than SMs runs the plan's sequential kernel at two CTAs per
     SM (TwoPerSmConfig in csrc/gdn_fwd_mainloop.cuh); each sequence alone runs the plan's own. Both
     give bitwise the same output and final state (batch invariance across the switch)."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     assert 2 * hv * len(seqlens) > sms >= 2 * hv, "the batch must cross the switch and one sequence not"
-    inp = make_case(14, seqlens, hqk, hv, torch.bfloat16, "mixed", True, False)
+    inp = make_case(14, seqlens, hqk, hv, dtype, "mixed", True, state_v_first)
     with torch.no_grad():
         o_all, s_all = run_ours(inp, False)
         for n in (1, 3, len(seqlens) - 1):
