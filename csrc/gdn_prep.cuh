@@ -56,6 +56,14 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
+// Measurement switch (scripts/prep_variants.py), written in the eleventh session and not yet run on
+// the H200: with several v-heads per q/k head, 1 solves them one after another on the first 64
+// threads with the tensor-core solve (gdn_prep_solve_mma.cuh) while the other threads write P,
+// instead of one column per thread and head at once. Products build with 0 until it is measured.
+#ifndef FQT_PREP_MMA_SOLVE_EACH_HEAD
+#define FQT_PREP_MMA_SOLVE_EACH_HEAD 0
+#endif
+
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
 // made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
@@ -413,7 +421,41 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1.
       //    Columns are independent, so no barrier; the warp reads the same K K^T row (a broadcast).
       //    Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
-      {
+      // FQT_PREP_MMA_SOLVE_EACH_HEAD: the G = 1 path below for each head of the batch in turn.
+      // Column c of head h's X is row c of the tile's upper triangle, streamed to Aw.
+      constexpr bool kMmaEachHead = FQT_PREP_MMA_SOLVE_EACH_HEAD && G > 1 && prep_runs(kAblateSolve);
+      if constexpr (kMmaEachHead) {
+        // The batch's heads in turn on threads 0..63 (barrier 1 is theirs alone, as in the solve):
+        // K K^T's lower triangle stays, each head's X overwrites the upper one once every column of
+        // the previous head's X has been stored.
+        auto store_aw_from_tile = [&](int h, int c) {
+          const int hv = hqk * G + hb + h;
+          Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+          const float gc = ss.gamma[h][c], bc = ss.beta[h][c];
+          const float4* col = reinterpret_cast<const float4*>(ss.kk + c * kPrepPad);
+          CUTE_UNROLL
+          for (int i4 = 0; i4 < kChunk / 4; ++i4) {
+            const float4 v = col[i4];
+            const float vv[4] = {v.x, v.y, v.z, v.w};
+            CUTE_UNROLL
+            for (int u = 0; u < 4; ++u) {
+              const int i = 4 * i4 + u;
+              const float xi = i > c ? vv[u] : (i == c ? 1.f : 0.f);
+              if constexpr (prep_runs(kAblateAwOut)) {  // the mask selects the exponent: see below
+                const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
+                aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
+              }
+            }
+          }
+        };
+        if (tid < kChunk) {
+          for (int h = 0; h < nb; ++h) {
+            if (h > 0) solve_mma::sync64();
+            solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
+            store_aw_from_tile(h, tid);
+          }
+        }
+      } else {
         const int h = tid / kChunk, c = tid % kChunk;
         if (h < nb) {
           const float* bet = ss.beta[h];
@@ -493,7 +535,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    128 threads, two on 16/32 with 256), those threads write all of P while the others
       //    solve, which takes P off the item's critical path; otherwise every thread writes its
       //    share after its column. P reads only the Q K^T tile and the gates, both final here.
-      const int p_first = nb * kChunk < Threads ? nb * kChunk : 0;
+      const int p_first = kMmaEachHead ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
       const int p_threads = Threads - p_first, ptid = tid - p_first;
       for (int h = 0; h < (prep_runs(kAblatePOut) && ptid >= 0 ? nb : 0); ++h) {
         const int hv = hqk * G + hb + h;

@@ -26,7 +26,9 @@ from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 
-VARIANTS = {"product": ()}  # name: extra nvcc flags, e.g. "before": ("-DFQT_PREP_SOMETHING=0",)
+# name: extra nvcc flags. Written in the eleventh session, not yet run: the tensor-core solve for each
+# v-head in turn when a q/k head has several (csrc/gdn_prep.cuh FQT_PREP_MMA_SOLVE_EACH_HEAD).
+VARIANTS = {"product": (), "mma_each": ("-DFQT_PREP_MMA_SOLVE_EACH_HEAD=1",)}
 # (hqk, hv, prep_threads or None for the default plan's); 16/32 with both thread counts (eleventh
 # session: 128 threads 0.350 against 0.340 ms on 1x32768, 0.106 against 0.121 on 1024x8, so its
 # default stays at 256)
