@@ -97,6 +97,24 @@ __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const fl
   *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Column c of X = (I + L)^-1 as the tensor-core solve leaves it (row c of K K^T's upper triangle,
+// gdn_prep_solve_mma.cuh), element by element: out(i, x_i) with x_c = 1 and 0 above the diagonal.
+// 16-byte loads, conflict-free within each quarter warp.
+template <int Pad, class Out>
+__device__ __forceinline__ void for_each_in_x_column(const float* kk, int c, Out&& out) {
+  const float4* col = reinterpret_cast<const float4*>(kk + c * Pad);
+  CUTE_UNROLL
+  for (int i4 = 0; i4 < kChunk / 4; ++i4) {
+    const float4 v = col[i4];
+    const float vv[4] = {v.x, v.y, v.z, v.w};
+    CUTE_UNROLL
+    for (int u = 0; u < 4; ++u) {
+      const int i = 4 * i4 + u;
+      out(i, i > c ? vv[u] : (i == c ? 1.f : 0.f));
+    }
+  }
+}
+
 template <class Elem, int Hqk, int HeadK, int Threads_>
 struct PrepConfig {
   static constexpr int Threads = Threads_;
@@ -428,31 +446,20 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         // The batch's heads in turn on threads 0..63 (barrier 1 is theirs alone, as in the solve):
         // K K^T's lower triangle stays, each head's X overwrites the upper one once every column of
         // the previous head's X has been stored.
-        auto store_aw_from_tile = [&](int h, int c) {
-          const int hv = hqk * G + hb + h;
-          Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-          const float gc = ss.gamma[h][c], bc = ss.beta[h][c];
-          const float4* col = reinterpret_cast<const float4*>(ss.kk + c * kPrepPad);
-          CUTE_UNROLL
-          for (int i4 = 0; i4 < kChunk / 4; ++i4) {
-            const float4 v = col[i4];
-            const float vv[4] = {v.x, v.y, v.z, v.w};
-            CUTE_UNROLL
-            for (int u = 0; u < 4; ++u) {
-              const int i = 4 * i4 + u;
-              const float xi = i > c ? vv[u] : (i == c ? 1.f : 0.f);
+        if (tid < kChunk) {
+          const int c = tid;
+          for (int h = 0; h < nb; ++h) {
+            if (h > 0) solve_mma::sync64();
+            solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
+            const int hv = hqk * G + hb + h;
+            Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+            const float gc = ss.gamma[h][c], bc = ss.beta[h][c];
+            for_each_in_x_column<kPrepPad>(ss.kk, c, [&](int i, float xi) {
               if constexpr (prep_runs(kAblateAwOut)) {  // the mask selects the exponent: see below
                 const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
                 aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
               }
-            }
-          }
-        };
-        if (tid < kChunk) {
-          for (int h = 0; h < nb; ++h) {
-            if (h > 0) solve_mma::sync64();
-            solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-            store_aw_from_tile(h, tid);
+            });
           }
         }
       } else {
@@ -481,17 +488,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
             // No other thread of the CTA may use barrier 1.
             static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
             solve_mma::solve<kPrepPad>(ss.kk, bet, tid);
-            const float4* col = reinterpret_cast<const float4*>(ss.kk + c * kPrepPad);
-            CUTE_UNROLL
-            for (int i4 = 0; i4 < kChunk / 4; ++i4) {
-              const float4 v = col[i4];
-              const float vv[4] = {v.x, v.y, v.z, v.w};
-              CUTE_UNROLL
-              for (int u = 0; u < 4; ++u) {
-                const int i = 4 * i4 + u;
-                store_aw(i, i > c ? vv[u] : (i == c ? 1.f : 0.f));
-              }
-            }
+            for_each_in_x_column<kPrepPad>(ss.kk, c, store_aw);
           } else {
             float x[kChunk];
             // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
