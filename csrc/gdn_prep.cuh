@@ -57,7 +57,7 @@ enum : int {
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
 // Measurement switch (scripts/prep_variants.py), written in the eleventh session and not yet run on
-// the H200: with several v-heads per q/k head, 1 solves them one after another on the first 64
+// the H200. Set to 1, it solves the v-heads of a q/k head one after another on the first 64
 // threads with the tensor-core solve (gdn_prep_solve_mma.cuh) while the other threads write P,
 // instead of one column per thread and head at once. Products build with 0 until it is measured.
 #ifndef FQT_PREP_MMA_SOLVE_EACH_HEAD
