@@ -442,6 +442,23 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       // FQT_PREP_MMA_SOLVE_EACH_HEAD: the G = 1 path below for each head of the batch in turn.
       // Column c of head h's X is row c of the tile's upper triangle, streamed to Aw.
       constexpr bool kMmaEachHead = FQT_PREP_MMA_SOLVE_EACH_HEAD && G > 1 && prep_runs(kAblateSolve);
+      // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
+      // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
+      // exponential of a selected result behind its own branch, so the steps ran one after another
+      // (a variant that staged Aw in shared memory: prep 0.271 ms on 16/16 1x32768 with the result
+      // selected, 0.214 with the exponent; kernel-notes, tenth session).
+      auto aw_column_store = [&](int h, int c) {
+        const int hv = hqk * G + hb + h;
+        Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+        const float* gam = ss.gamma[h];
+        const float gc = gam[c], bc = ss.beta[h][c];
+        return [=](int i, float xi) {
+          if constexpr (prep_runs(kAblateAwOut)) {
+            const float d = i < L && c <= i ? gam[i] - gc : -INFINITY;
+            aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
+          }
+        };
+      };
       if constexpr (kMmaEachHead) {
         // The batch's heads in turn on threads 0..63 (barrier 1 is theirs alone, as in the solve):
         // K K^T's lower triangle stays, each head's X overwrites the upper one once every column of
@@ -451,34 +468,14 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           for (int h = 0; h < nb; ++h) {
             if (h > 0) solve_mma::sync64();
             solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-            const int hv = hqk * G + hb + h;
-            Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-            const float gc = ss.gamma[h][c], bc = ss.beta[h][c];
-            for_each_in_x_column<kPrepPad>(ss.kk, c, [&](int i, float xi) {
-              if constexpr (prep_runs(kAblateAwOut)) {  // the mask selects the exponent: see below
-                const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
-                aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
-              }
-            });
+            for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
           }
         }
       } else {
         const int h = tid / kChunk, c = tid % kChunk;
         if (h < nb) {
           const float* bet = ss.beta[h];
-          const int hv = hqk * G + hb + h;
-          Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-          const float gc = ss.gamma[h][c], bc = bet[c];
-          // The mask selects the exponent (e^-inf = 0), not the result: nvcc put each exponential
-          // of a selected result behind its own branch, so the steps ran one after another (a
-          // variant that staged Aw in shared memory: prep 0.271 ms on 16/16 1x32768 with the
-          // result selected, 0.214 with the exponent; kernel-notes, tenth session).
-          auto store_aw = [&](int i, float xi) {
-            if constexpr (prep_runs(kAblateAwOut)) {
-              const float d = i < L && c <= i ? ss.gamma[h][i] - gc : -INFINITY;
-              aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
-            }
-          };
+          const auto store_aw = aw_column_store(h, c);
           if constexpr (G == 1 && prep_runs(kAblateSolve)) {
             // One v-head: the 64 solving threads share the work by 16 x 16 blocks on the tensor
             // cores (gdn_prep_solve_mma.cuh); X lands in K K^T's upper triangle, column c of X in
