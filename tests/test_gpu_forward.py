@@ -279,6 +279,15 @@ def test_torch_compile_traces_through_the_op():
     assert torch.allclose(eager, compiled, rtol=1e-5)
 
 
+def one_sequence_of(inp, n):
+    """Sequence n of a varlen case as a case of its own (same tensors, sliced)."""
+    lo, hi = (int(x) for x in inp["cu_seqlens"][n:n + 2])
+    one = {name: inp[name][:, lo:hi] for name in ("q", "k", "v", "g", "beta")}
+    one.update(initial_state=inp["initial_state"][n:n + 1], state_v_first=inp["state_v_first"],
+               cu_seqlens=torch.tensor([0, hi - lo], device=DEV))
+    return one, slice(lo, hi)
+
+
 def test_batch_invariance_is_bitwise():
     """A sequence's output and final state do not depend on what else is in the batch."""
     inp = make_case(6, [1500, 333, 64, 2100], 2, 8, torch.bfloat16, "mixed", True, False)
@@ -286,11 +295,11 @@ def test_batch_invariance_is_bitwise():
         o_all, s_all = ops.chunk_gated_delta_rule(
             inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["initial_state"],
             output_final_state=True, cu_seqlens=inp["cu_seqlens"])
-        lo, hi = 1500, 1833  # the second sequence alone
+        one, rows = one_sequence_of(inp, 1)  # the second sequence alone
         o_one, s_one = ops.chunk_gated_delta_rule(
-            *(inp[n][:, lo:hi] for n in ("q", "k", "v", "g", "beta")), initial_state=inp["initial_state"][1:2],
-            output_final_state=True, cu_seqlens=torch.tensor([0, hi - lo], device=DEV))
-    assert torch.equal(o_all[:, lo:hi], o_one) and torch.equal(s_all[1:2], s_one)
+            *(one[n] for n in ("q", "k", "v", "g", "beta")), initial_state=one["initial_state"],
+            output_final_state=True, cu_seqlens=one["cu_seqlens"])
+    assert torch.equal(o_all[:, rows], o_one) and torch.equal(s_all[1:2], s_one)
 
 
 def test_int32_offsets_and_empty_sequences():
@@ -366,15 +375,6 @@ def test_prep_with_128_threads_agrees_bitwise(hqk, hv):
         threads_128 = run_ours(inp, True, plan=variant_plan(hqk, hv, TileParams(prep_threads=128)))
     torch.cuda.synchronize()
     assert_written_and_equal(threads_256, threads_128)
-
-
-def one_sequence_of(inp, n):
-    """Sequence n of a varlen case as a case of its own (same tensors, sliced)."""
-    lo, hi = (int(x) for x in inp["cu_seqlens"][n:n + 2])
-    one = {name: inp[name][:, lo:hi] for name in ("q", "k", "v", "g", "beta")}
-    one.update(initial_state=inp["initial_state"][n:n + 1], state_v_first=inp["state_v_first"],
-               cu_seqlens=torch.tensor([0, hi - lo], device=DEV))
-    return one, slice(lo, hi)
 
 
 @pytest.mark.parametrize("hqk, hv, seqlens, dtype, state_v_first", [
@@ -522,12 +522,11 @@ def test_context_parallel_batch_invariance_is_bitwise():
             inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=inp["initial_state"],
             output_final_state=True, cu_seqlens=inp["cu_seqlens"], warmup=MIXED_2_8)
         for i in (1, 0, 2):
-            lo = sum(seqlens[:i])
-            hi = lo + seqlens[i]
+            one, rows = one_sequence_of(inp, i)
             o_one, s_one = ops.chunk_gated_delta_rule(
-                *(inp[n][:, lo:hi] for n in ("q", "k", "v", "g", "beta")), initial_state=inp["initial_state"][i:i + 1],
-                output_final_state=True, cu_seqlens=torch.tensor([0, hi - lo], device=DEV), warmup=MIXED_2_8)
-            assert torch.equal(o_all[:, lo:hi], o_one) and torch.equal(s_all[i:i + 1], s_one), f"sequence {i}"
+                *(one[n] for n in ("q", "k", "v", "g", "beta")), initial_state=one["initial_state"],
+                output_final_state=True, cu_seqlens=one["cu_seqlens"], warmup=MIXED_2_8)
+            assert torch.equal(o_all[:, rows], o_one) and torch.equal(s_all[i:i + 1], s_one), f"sequence {i}"
 
 
 def test_context_parallel_replays_in_a_cuda_graph():
