@@ -20,7 +20,9 @@ from flashqla_tune.bench.inputs import make_inputs
 from flashqla_tune.tune.measure import CacheBuilder, GraphTimer, OracleChecker, forward_on_inputs
 
 # The tenth session's question: does a second CTA per SM (the tuner's ctas_per_sm=2 plan) win the
-# rows whose batch already fills the GPU, where the default runs its CTAs in two waves?
+# rows whose batch already fills the GPU, where the default ran its CTAs in two waves? It did, so
+# since the eleventh session the default plan's library runs its own two-per-SM copy on calls with
+# more sequential CTAs than SMs (TwoPerSmConfig): on those rows the default column times that copy.
 VARIANTS = [TileParams(stages=3), TileParams(stages=2), TileParams(stages=1, producer_regs=24, ctas_per_sm=2),
             TileParams(stages=1, producer_regs=24, ctas_per_sm=2, prep_threads=128)]
 # (h_qk, h_v) -> the scoreboard length mixes to time: the rows slower than FlashQLA first, so a call
