@@ -56,14 +56,6 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
-// Measurement switch (scripts/prep_variants.py), written in the eleventh session and not yet run on
-// the H200. Set to 1, it solves the v-heads of a q/k head one after another on the first 64
-// threads with the tensor-core solve (gdn_prep_solve_mma.cuh) while the other threads write P,
-// instead of one column per thread and head at once. Products build with 0 until it is measured.
-#ifndef FQT_PREP_MMA_SOLVE_EACH_HEAD
-#define FQT_PREP_MMA_SOLVE_EACH_HEAD 0
-#endif
-
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
 // made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
@@ -439,9 +431,12 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1.
       //    Columns are independent, so no barrier; the warp reads the same K K^T row (a broadcast).
       //    Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
-      // FQT_PREP_MMA_SOLVE_EACH_HEAD: the G = 1 path below for each head of the batch in turn.
-      // Column c of head h's X is row c of the tile's upper triangle, streamed to Aw.
-      constexpr bool kMmaEachHead = FQT_PREP_MMA_SOLVE_EACH_HEAD && G > 1 && prep_runs(kAblateSolve);
+      //    With several v-heads and 128 threads, the batch's heads are solved one after another by
+      //    the tensor-core solve (the G = 1 path below) on threads 0..63 while threads 64..127
+      //    write P: on the H200 that took 16/32's prep from 0.347 ms (128 threads, a column per
+      //    thread and head) to 0.298 on 1x32768 and from 0.106 to 0.089 on 1024x8, ahead of 256
+      //    threads' 0.335 and 0.121 (docs/kernel-notes.md, twelfth session).
+      constexpr bool kMmaEachHead = G > 1 && Threads == 128 && prep_runs(kAblateSolve);
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another

@@ -26,20 +26,18 @@ from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 
-# name: extra nvcc flags. Written in the eleventh session, not yet run: the tensor-core solve for each
-# v-head in turn when a q/k head has several (csrc/gdn_prep.cuh FQT_PREP_MMA_SOLVE_EACH_HEAD).
-VARIANTS = {"product": (), "mma_each": ("-DFQT_PREP_MMA_SOLVE_EACH_HEAD=1",)}
-# (hqk, hv, prep_threads or None for the default plan's); 16/32 with both thread counts (eleventh
-# session: 128 threads 0.350 against 0.340 ms on 1x32768, 0.106 against 0.121 on 1024x8, so its
-# default stays at 256)
-PLANS = [(16, 16, None), (2, 8, None), (2, 8, 128), (4, 4, None), (16, 32, None), (16, 32, 128)]
+# name: extra nvcc flags. No switch is in the code now: the eleventh session's tensor-core solve for
+# each v-head in turn won on the H200 (twelfth session) and became the 128-thread prep's rule.
+VARIANTS = {"product": ()}
+# (hqk, hv, prep_threads or None for the default plan's): both prep CTAs for two, three and four
+# v-heads per q/k head, which the twelfth session's change of the 128-thread solve moved
+PLANS = [(16, 32, 256), (16, 32, 128), (8, 24, 256), (8, 24, 128), (8, 32, 256), (8, 32, 128), (16, 16, None)]
 # (plan index, seqlens, decay, l2norm): tails that are not a multiple of 64, varlen, strong/weak/zero
-CHECKS = [(0, [5000], "mixed", False), (0, [1000, 37], "zero", False), (0, [2100, 300], "strong", True),
-          (1, [777, 1500, 63], "strong", False), (2, [2100], "weak", True), (3, [777, 1500, 63], "mixed", False),
-          (5, [1000, 37], "mixed", True)]
-TIMED = [(0, Case(16, 16, (32768,))), (0, Case(16, 16, (8192,))), (0, Case(16, 16, (1024,) * 8)),
-         (1, Case(2, 8, (32768,))), (2, Case(2, 8, (32768,))), (4, Case(16, 32, (32768,))),
-         (5, Case(16, 32, (32768,))), (4, Case(16, 32, (1024,) * 8)), (5, Case(16, 32, (1024,) * 8))]
+CHECKS = [(1, [5000], "mixed", False), (1, [1000, 37], "zero", True), (3, [2100, 300], "strong", True),
+          (3, [777, 1500, 63], "weak", False), (5, [777, 1500, 63], "mixed", False), (2, [2100], "weak", True),
+          (6, [1000, 37], "mixed", True)]
+TIMED = [(i, Case(hqk, hv, seqlens)) for i, (hqk, hv, _) in enumerate(PLANS[:6])
+         for seqlens in ((32768,), (8192,) * 4, (1024,) * 8)]
 
 
 def plan_of(hqk: int, hv: int, threads: int | None) -> KernelPlan:
