@@ -11,12 +11,14 @@
 //                       if the guard holds on this input) or, for exact boundaries, the previous
 //                       segment's H (end state from zero) and M (transition) jobs.
 //   phase 1             the sequential kernel over the H, M and window jobs (state only).
-//   cp_chain_kernel     exact boundaries in order: S_j = M_{j-1} S_{j-1} + H_{j-1}, fp32, on a
-//                       side stream of higher priority, while
-//   phase 3a            the sequential kernel runs the forward jobs that start from h0 or a warm-up
-//                       state (they need nothing from the chain), while
-//   phase 3b            the forward jobs that start from a chained state, after the chain on its
-//                       side stream, beside phase 3a; the caller's stream then waits for both.
+//   cp_chain_kernel     exact boundaries in order: S_j = M_{j-1} S_{j-1} + H_{j-1}, fp32; it lets
+//                       its programmatic dependent launch as soon as every chain CTA is resident:
+//   phase 3             the sequential kernel over the forward jobs, one launch on the caller's
+//                       stream (kUnchainedThenChained): the jobs that start from h0 or a warm-up
+//                       state run beside the chain, those that start from a chained state wait for
+//                       it in the kernel (griddepcontrol.wait). One stream and no events: the
+//                       eleventh session's side stream cost the host two event records and two
+//                       waits per call.
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
 // the guard), so a sequence's output is the same bit for bit whatever it is batched with.
 #pragma once
@@ -25,6 +27,7 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <stdint.h>
 
+#include "gdn_grid_sync.cuh"
 #include "gdn_sequences.cuh"
 
 namespace fqt {
@@ -226,6 +229,9 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   extern __shared__ __align__(16) float chain_smem[];
   float* m_buf = chain_smem;                       // [2][K][K], swizzled rows
   float* prev = chain_smem + 2 * K * K;            // [K][Columns]
+  // The forward pass may launch now: its unchained jobs need nothing from here, and its chained
+  // ones wait for this grid to finish (every chain CTA is resident or done before it starts).
+  allow_dependent_launch();
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
   const int col0 = blockIdx.z * Columns;

@@ -27,14 +27,6 @@ struct DeviceSetup {
   cudaError_t error = cudaSuccess;
   int sm_count = 0;
   int prep_ctas_per_sm = 1;
-  // Context parallelism forks the exact chain onto a side stream of the highest priority, so its
-  // CTAs take SMs first while the unchained forward jobs fill the rest; the chained forward jobs
-  // follow the chain there, and the caller's stream joins the side stream after both. One fork at
-  // a time per device: the events are shared.
-  cudaStream_t chain_stream = nullptr;
-  cudaEvent_t states_done = nullptr;
-  cudaEvent_t chain_done = nullptr;
-  std::mutex fork;
 };
 
 // Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P, then the
@@ -72,6 +64,24 @@ struct Workspace {
     total = m_end + states;
   }
 };
+
+// The sequential kernel, one CTA per (v tile, v-head, grid z: a sequence, or a CP job row), as
+// the programmatic dependent of the kernel before it on the stream (the prep; with CP, the chain):
+// its launch and prologue hide behind that kernel.
+template <class Cfg, class Kernel>
+cudaError_t launch_programmatic(Kernel kernel, const FwdParams<Cfg>& fp, int64_t grid_z, cudaStream_t stream) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(grid_z));
+  config.blockDim = dim3(Cfg::Threads);
+  config.dynamicSmemBytes = Cfg::SmemBytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, fp);
+}
 
 // After the prep: plan the segments and jobs, the state pass, the exact chain, the forward pass.
 template <class Cfg>
@@ -117,36 +127,23 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
   gdn_fwd_kernel<Cfg, true><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(3 * S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  // Fork: the chain needs the state pass; the unchained forward jobs need only the state pass too.
-  std::lock_guard<std::mutex> hold(setup.fork);  // the shared events stay paired with this call
-  cudaStream_t side = setup.chain_stream;
-  if ((err = cudaEventRecord(setup.states_done, stream)) != cudaSuccess) return err;
-  if ((err = cudaStreamWaitEvent(side, setup.states_done, 0)) != cudaSuccess) return err;
+  // The chain needs the state pass. The forward pass is the chain's programmatic dependent: its
+  // unchained half (grid z < S) runs beside the chain, its chained half waits for it in the kernel.
   // Narrow column slices put more SMs on the chain while they fit in one wave (the results are
   // the same bit for bit).
   if (a.num_seqs * Cfg::Hv * (Cfg::HeadV / 8) <= sm_count) {
     cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 8>
         <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 8), kChainThreads, chain_smem_bytes<Cfg::HeadK, 8>(),
-           side>>>(pa);
+           stream>>>(pa);
   } else {
     cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 16>
         <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 16), kChainThreads, chain_smem_bytes<Cfg::HeadK, 16>(),
-           side>>>(pa);
+           stream>>>(pa);
   }
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  // The jobs that start from a chained state follow the chain on the side stream, and the others
-  // run on the caller's stream meanwhile: neither pass waits for the other (the first version
-  // queued both on the caller's stream, which put a mixed call's two passes end to end).
   fp.jobs = pa.jobs_fwd;
-  fp.job_pass = kChainedJobs;
-  gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(S)), Cfg::Threads, Cfg::SmemBytes, side>>>(fp);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  if ((err = cudaEventRecord(setup.chain_done, side)) != cudaSuccess) return err;
-  fp.job_pass = kUnchainedJobs;
-  gdn_fwd_kernel<Cfg><<<dim3(tiles_heads.x, tiles_heads.y, unsigned(S)), Cfg::Threads, Cfg::SmemBytes, stream>>>(fp);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  // Join: the caller's stream (and a graph's capture) ends after both passes.
-  return cudaStreamWaitEvent(stream, setup.chain_done, 0);
+  fp.job_pass = kUnchainedThenChained;
+  return launch_programmatic<Cfg>(gdn_fwd_kernel<Cfg>, fp, 2 * S, stream);
 }
 
 // The same parameters for another configuration of the same shapes (TwoPerSmConfig): its TMA
@@ -161,23 +158,6 @@ FwdParams<To> fwd_params_as(const FwdParams<From>& f) {
                   f.final_state, f.jobs, f.o, f.total_tokens, f.num_seqs, f.num_slots, f.scale};
   t.job_pass = f.job_pass;
   return t;
-}
-
-// The sequential kernel, one CTA per (v tile, v-head, sequence), as the prep's programmatic
-// dependent: its launch and prologue hide behind the prep.
-template <class Cfg, class Kernel>
-cudaError_t launch_sequential(Kernel kernel, const FwdParams<Cfg>& fp, int64_t N, cudaStream_t stream) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(N));
-  config.blockDim = dim3(Cfg::Threads);
-  config.dynamicSmemBytes = Cfg::SmemBytes;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, fp);
 }
 
 template <class Cfg>
@@ -224,11 +204,6 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
                                cudaFuncAttributeMaxDynamicSharedMemorySize, chain_smem_bytes<Cfg::HeadK, 16>());
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, prep, PrepCfg::Threads, PrepCfg::SmemBytes);
-    int least = 0, greatest = 0;  // the chain's side stream: highest priority, never the legacy stream's sync
-    if (e == cudaSuccess) e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (e == cudaSuccess) e = cudaStreamCreateWithPriority(&setup.chain_stream, cudaStreamNonBlocking, greatest);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&setup.states_done, cudaEventDisableTiming);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&setup.chain_done, cudaEventDisableTiming);
     setup.error = e;
     setup.sm_count = sms;
     setup.prep_ctas_per_sm = per_sm > 0 ? per_sm : 1;
@@ -314,9 +289,9 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     // More chains than SMs: two per SM in one wave instead of two waves (no prep overlap then).
     using Two = typename TwoPerSmConfig<Cfg>::type;
     if (main_ctas > sm_count && !overlap)
-      return launch_sequential<Two>(gdn_fwd_kernel<Two>, fwd_params_as<Two>(fp), N, stream);
+      return launch_programmatic<Two>(gdn_fwd_kernel<Two>, fwd_params_as<Two>(fp), N, stream);
   }
-  return launch_sequential<Cfg>(main_kernel, fp, N, stream);
+  return launch_programmatic<Cfg>(main_kernel, fp, N, stream);
 }
 
 template <class Cfg>

@@ -180,7 +180,7 @@ struct FwdParams {
   int64_t num_seqs;
   int64_t num_slots;
   float scale;
-  int32_t job_pass = kAllJobs; // with jobs: which of them this launch runs (kChainedJobs, ...)
+  int32_t job_pass = kAllJobs; // with jobs: which of them this launch runs (kUnchainedThenChained)
 };
 
 // Accumulator element e of a 64 x N wgmma tile sits at (row0 + 8 * ((e / 2) % 2), col0 + e % 2 +
@@ -238,7 +238,8 @@ __device__ __forceinline__ void produce_chunks(const FwdParams<Cfg>& p, typename
   const float* gamma = p.gamma + (int64_t(hv) * p.num_slots + range.slot0) * kChunk;
   const uint32_t* ready = p.ready ? p.ready + int64_t(hqk) * p.num_slots + range.slot0 : nullptr;
   // Everything below reads the prep kernel's output (the sequential kernel may start early).
-  if (ready == nullptr) wait_prerequisite_grids();
+  // (the split context-parallel pass has waited above where it must: its prerequisite is the chain)
+  if (ready == nullptr && p.job_pass != kUnchainedThenChained) wait_prerequisite_grids();
 
   const int num_chunks = int(range.num_chunks());
   for (int c = 0; c < num_chunks; ++c) {
@@ -343,12 +344,23 @@ __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename C
   }
 }
 
+// With jobs: whether this CTA is in the chained half of a kUnchainedThenChained launch, and the
+// row of p.jobs it runs (grid z, less the first half's S rows in the chained half).
+template <class Cfg>
+__device__ __forceinline__ bool in_chained_half(const FwdParams<Cfg>& p) {
+  return p.job_pass == kUnchainedThenChained && blockIdx.z >= gridDim.z / 2;
+}
+template <class Cfg>
+__device__ __forceinline__ int64_t job_row(const FwdParams<Cfg>& p) {
+  return int64_t(blockIdx.z) - (in_chained_half(p) ? int64_t(gridDim.z / 2) : 0);
+}
+
 // This CTA's start state (end == false) or end state (end == true) for v-head hv: its job's, or
 // sequence blockIdx.z's in `states` ([N, Hv, K, V]); null for none.
 template <class Cfg>
 __device__ __forceinline__ const float* state_pointer(const FwdParams<Cfg>& p, const float* states, int hv, bool end) {
   if (p.jobs != nullptr) {
-    const CpJob& job = p.jobs[int64_t(blockIdx.z) * Cfg::Hv + hv];
+    const CpJob& job = p.jobs[job_row(p) * Cfg::Hv + hv];
     return end ? job.out : job.h0;
   }
   return states ? states + (int64_t(blockIdx.z) * Cfg::Hv + hv) * (int64_t(Cfg::HeadK) * Cfg::HeadV) : nullptr;
@@ -377,14 +389,18 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   SeqRange range;
   int32_t job_flags = 0;
   if (p.jobs != nullptr) {
-    const CpJob& job = p.jobs[int64_t(blockIdx.z) * Cfg::Hv + hv];
+    const bool split = p.job_pass == kUnchainedThenChained, chained_half = in_chained_half(p);
+    const CpJob& job = p.jobs[job_row(p) * Cfg::Hv + hv];
     range.start = job.start;
     range.len = job.len;
     range.slot0 = job.slot0;
     job_flags = job.flags;
     if (range.len == 0 && job.out == nullptr) return;  // an unused slot (uniform: the whole CTA)
     const bool chained = job_flags & kJobChained;
-    if ((p.job_pass == kUnchainedJobs && chained) || (p.job_pass == kChainedJobs && !chained)) return;
+    if (split && chained != chained_half) return;
+    // Every thread that reads the chained start state (the consumers, before the first chunk) or
+    // anything after it waits for the chain grid; the unchained half never waits for it.
+    if (chained_half) wait_prerequisite_grids();
   } else {
     range = sequence_range(p.cu_seqlens, blockIdx.z, p.total_tokens);
   }
@@ -407,7 +423,13 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::ProducerRegs>();
-    if (threadIdx.x == 0) produce_chunks<Cfg, StateOnly>(p, ss, range, vt, hv, hqk, job_flags & kJobZeroV);
+    if (threadIdx.x == 0) {
+      produce_chunks<Cfg, StateOnly>(p, ss, range, vt, hv, hqk, job_flags & kJobZeroV);
+      // An unchained CTA of the split pass never waited for the chain, its prerequisite grid. Waiting
+      // before it exits keeps the launch from completing ahead of the chain, so whatever the stream
+      // runs next (which may reuse this call's scratch) starts after both.
+      if (p.job_pass == kUnchainedThenChained) wait_prerequisite_grids();
+    }
     return;
   }
   if constexpr (Cfg::OutputGroup) {

@@ -55,12 +55,14 @@ enum : int32_t {
   kJobChained = 8,        // a forward job whose start state the exact chain writes (runs after it)
 };
 
-// Which forward jobs a context-parallel forward launch runs (FwdParams::job_pass): the jobs that
-// start from h0 or a warm-up state need nothing from the exact chain, so they run beside it.
+// Which forward jobs a context-parallel forward launch runs (FwdParams::job_pass).
 enum : int32_t {
   kAllJobs = 0,
-  kUnchainedJobs = 1,
-  kChainedJobs = 2,
+  // Grid z in [0, S) runs the jobs of row z that start from h0 or a warm-up state: they need
+  // nothing from the exact chain and start at once. z in [S, 2 S) runs the jobs of row z - S that
+  // start from a chained state, after the chain kernel, the launch's programmatic prerequisite,
+  // has finished. Lower z is dispatched first, so waiting CTAs come after every unchained one.
+  kUnchainedThenChained = 1,
 };
 
 struct CpJob {
