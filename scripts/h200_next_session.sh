@@ -5,7 +5,12 @@
 #   bash scripts/h200_next_session.sh pair        on nvidia-h200-x2: the tests step on GPU 0 and the
 #                                                 sweep step on GPU 1 at once (one call, half the device time)
 #   bash scripts/h200_next_session.sh pair-prep   on nvidia-h200-x2: the tests step's GPU tests on GPU 0 and
-#                                                 the variants step on GPU 1 at once
+#                                                 the variants step, then the host step (FLA and FlashQLA
+#                                                 left out), on GPU 1 at once
+#   bash scripts/h200_next_session.sh pair-cp-half  on nvidia-h200-x2: the CP, host-path and two-per-SM GPU
+#                                                 tests, then the host step, on GPU 0; pair-score's second
+#                                                 half on GPU 1
+#   bash scripts/h200_next_session.sh host-then-half   the host step alone, then pair-score's first half
 #   bash scripts/h200_next_session.sh pair-score  on nvidia-h200-x2: the cp-bench scoreboard of all six head
 #                                                 configurations, three on each GPU (OUT/gpu0, OUT/gpu1), then
 #                                                 the host step on GPU 0 once its half is done
@@ -57,7 +62,7 @@ forward_gpu_tests() {
   # error bar of each new head configuration, which the groups now pay side by side. The
   # plans build once (the cache's file lock makes the other processes wait for them).
   local timeout_s=$1 oracle="test_forward_matches_float64_oracle" i
-  local groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero)"
+  local groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
                 "$oracle and (gva_varlen_fp16 or no_gva or group3 or batch2 or state_v_first)"
                 "not $oracle")
   for i in 0 1 2; do
@@ -68,6 +73,17 @@ forward_gpu_tests() {
   cat "$OUT"/gpu_tests_[012].log > "$OUT/gpu_tests.log"
   for i in 0 1 2; do grep -E "passed|failed|error" "$OUT/gpu_tests_$i.log" | tail -n 1; done
 }
+# One GPU's share of the cp-bench scoreboard in OUT/gpuN (the bench writes scoreboard.* there);
+# --prewarm builds in parallel. score_half GPU --heads H/V ...
+score_half() {
+  local gpu=$1
+  shift
+  mkdir -p "$OUT/gpu$gpu"
+  CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/gpu$gpu" timeout "${SCORE_TIMEOUT_S:-440}" bash scripts/h200_scoreboard.sh \
+    --impl flashqla_tune --impl flashqla_tune_single_chain --impl flashqla_tune_warmup --impl flashqla_tune_exact_cp \
+    --impl fla --impl flashqla "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s "${SCORE_BUDGET_S:-370}" --prewarm \
+    > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
+}
 case "${1:-tests}" in
   pair)
     # two GPUs of one host: the untimed tests on GPU 0, the timed sweep alone on GPU 1
@@ -77,22 +93,35 @@ case "${1:-tests}" in
     wait
     cat "$OUT/tests_summary.txt"; tail -n 45 "$OUT/tile_sweep.log" | cut -c1-220 ;;
   pair-prep)
+    # GPU 1: the prep variants, then the host-time split (FLA's and FlashQLA's are in the v11 log)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
     CUDA_VISIBLE_DEVICES=0 forward_gpu_tests 500 > "$OUT/tests_summary.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout 520 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1 &
+    (CUDA_VISIBLE_DEVICES=1 timeout 400 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
+     CUDA_VISIBLE_DEVICES=1 timeout 100 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1) &
     wait
-    cat "$OUT/tests_summary.txt"; grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 14 | cut -c1-400 ;;
+    rm -f "$OUT"/gpu_tests_[012].log  # the device returns at most 8 files; gpu_tests.log has them
+    cat "$OUT/tests_summary.txt"; grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 20 | cut -c1-300
+    tail -n 2 "$OUT/host_overhead.log" | cut -c1-600 ;;
+  pair-cp-half)
+    # GPU 0: the CP, host-path and two-per-SM GPU tests, then the host step (FLA and FlashQLA left
+    # out); GPU 1: the scoreboard's second half (pair-score)
+    (CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+       -k "context_parallel or forced_short or cpp_host or group3 or two_ctas" > "$OUT/gpu_tests_cp.log" 2>&1
+     CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1) &
+    score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    wait
+    grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 2; tail -n 1 "$OUT/host_overhead.log" | cut -c1-400
+    grep -A12 "^Summary, graph" "$OUT/gpu1/scoreboard.md" | grep flashqla_tune_warmup
+    tar -C "$OUT" -czf "$OUT/scoreboard-gpu1.tar.gz" gpu1 && rm -rf "${OUT:?}/gpu1" ;;
+  host-then-half)
+    # the host step alone on a quiet host (the bench's parallel builds inflate host times by
+    # 1.5-2x), then pair-score's first half in the time left
+    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+    tail -n 1 "$OUT/host_overhead.log" | cut -c1-500
+    SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 --heads 16/16 --heads 2/8 --heads 4/16
+    grep -A12 "^Summary, graph" "$OUT/gpu0/scoreboard.md" | grep flashqla_tune_warmup
+    tar -C "$OUT" -czf "$OUT/scoreboard-gpu0.tar.gz" gpu0 && rm -rf "${OUT:?}/gpu0" ;;
   pair-score)
-    # each half in its own OUT (the bench writes scoreboard.* there); --prewarm builds in parallel
-    score_half() {
-      local gpu=$1
-      shift
-      mkdir -p "$OUT/gpu$gpu"
-      CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/gpu$gpu" timeout 440 bash scripts/h200_scoreboard.sh --impl flashqla_tune \
-        --impl flashqla_tune_single_chain --impl flashqla_tune_warmup --impl flashqla_tune_exact_cp --impl fla \
-        --impl flashqla "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s 370 --prewarm \
-        > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
-    }
     score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
     score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
     wait
@@ -203,5 +232,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (pair | pair-prep | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
