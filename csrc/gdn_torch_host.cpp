@@ -7,9 +7,9 @@
 // crossing from Python instead of a few dozen small Python steps.
 //
 // It never raises on input: whatever it does not take as is (a dtype to convert, a strided
-// tensor, shapes that do not fit, grad-requiring inputs, offsets to refuse, a CP bound over the
-// limits) returns None, and the Python op runs its checked path, which owns every error message
-// and conversion. Both paths call the same library with the same arguments, so their outputs are
+// tensor or one off a 16-byte boundary, shapes that do not fit, grad-requiring inputs, offsets to
+// refuse, a CP bound over the limits) returns None, and the Python op runs its checked path, which
+// owns every error message and conversion. Both paths call the same library with the same arguments, so their outputs are
 // the same bit for bit (tests/test_host_path.py, tests/test_gpu_forward.py).
 //
 // No CUDA header: tensors are allocated through ATen's dispatcher and the stream is an integer.
@@ -134,6 +134,9 @@ py::object forward(const Context& c, const at::Tensor& q, const at::Tensor& k, c
     if (t->sizes() != at::IntArrayRef(gate_shape) || t->scalar_type() != at::kFloat) return fallback;
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
     if (!on(*t, c.device) || !t->is_contiguous()) return fallback;
+  // TMA loads q, k and v from 16-byte boundaries; the Python path copies a view that starts off one
+  for (const at::Tensor* t : {&q, &k, &v})
+    if (reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 != 0) return fallback;
   if (at::GradMode::is_enabled())
     for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
       if (t->requires_grad()) return fallback;

@@ -68,6 +68,16 @@ def library(plan: KernelPlan):
 
 
 PREP_SCHEDULES = {"auto": 0, "serial": 1, "overlap": 2}  # csrc/gdn_abi.h FQT_PREP_*
+TMA_ALIGNMENT = 16  # bytes: cuTensorMapEncodeTiled refuses a global address off a 16-byte boundary
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and starting on a 16-byte boundary, as the TMA descriptors of q, k and v need
+    it. A contiguous view whose storage offset is not a multiple of 16 bytes is copied: the driver
+    refuses its address, and with CUTLASS's check compiled out (NDEBUG) the kernel would then
+    load through a descriptor that was never written."""
+    t = t.contiguous()
+    return t if t.data_ptr() % TMA_ALIGNMENT == 0 else t.clone()
 
 
 def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
@@ -90,7 +100,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     K, V = q.shape[3], v.shape[3]
     layout_vk = plan.spec.state_layout == "vk"
     state_shape = (N, Hv, V, K) if layout_vk else (N, Hv, K, V)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     g = _as(g, torch.float32)
     beta = _as(beta, torch.float32)
     cu_seqlens = _as(cu_seqlens, torch.int64)

@@ -260,6 +260,26 @@ def test_cpp_host_path_agrees_bitwise_with_the_python_path(name, monkeypatch):
     assert (s_cpp is None and s_py is None) if not opts["final"] else torch.equal(s_cpp, s_py)
 
 
+def test_q_k_v_off_a_16_byte_boundary_give_what_aligned_ones_give():
+    """q, k and v as contiguous views one element past a 16-byte boundary, whose address TMA
+    refuses: the public op copies them (the C++ path hands such calls to the Python path) and
+    gives bitwise what the same values on a boundary give."""
+    inp = make_case(15, [300, 77, 1000], 2, 8, torch.bfloat16, "mixed", True, False)
+    shifted = []
+    for name in ("q", "k", "v"):
+        t = inp[name]
+        view = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEV)[1:].view(t.shape).copy_(t)
+        assert view.is_contiguous() and view.data_ptr() % 16 != 0
+        shifted.append(view)
+    kw = dict(initial_state=inp["initial_state"], output_final_state=True, cu_seqlens=inp["cu_seqlens"])
+    host_path.extension()
+    with torch.no_grad():
+        aligned = ops.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
+        for _ in range(2):  # the second call of the signature would take the C++ path if it could
+            assert_written_and_equal(aligned, ops.chunk_gated_delta_rule(*shifted, inp["g"], inp["beta"], **kw))
+    torch.cuda.synchronize()
+
+
 def test_grad_enabled_input_is_refused():
     inp = make_case(4, [64], 2, 8, torch.bfloat16, "mixed", False, False)
     q = inp["q"].clone().requires_grad_(True)

@@ -81,6 +81,24 @@ def test_no_final_state_and_no_initial_state(recorded):
     assert args.initial_state is None and args.final_state is None and args.scale == 0.5
 
 
+def test_q_k_v_off_a_16_byte_boundary_reach_the_library_as_aligned_copies(recorded):
+    """TMA needs q, k and v on 16-byte boundaries: a contiguous view one element past one is
+    copied (same values) instead of handing the driver an address it refuses."""
+    lib, plan = recorded
+    q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    k = torch.empty(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape).copy_(torch.randn_like(q))
+    v = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, 64, 8)
+    assert k.is_contiguous() and k.data_ptr() % 16 != 0
+    ops.run_checked(q, k, v, g, g, None, None, False, False, False, torch.tensor([0, 64]), plan_name=plan.name)
+    (args, _, _), = lib.calls
+    assert args.q == q.data_ptr() and args.v == v.data_ptr()   # aligned ones are passed as they are
+    assert args.k != k.data_ptr() and args.k % 16 == 0
+    moved = runtime.tma_ready(k)
+    assert moved.data_ptr() % 16 == 0 and torch.equal(moved, k)
+    assert runtime.tma_ready(q) is q
+
+
 def test_unknown_plan_name_is_a_clear_error(recorded):
     q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
     v = torch.randn(1, 8, 8, 128, dtype=torch.bfloat16)
