@@ -4,10 +4,15 @@ calibrated warm-up, beside no CP and the cost model's own table; plus the per-ke
 the cost model's choice (torch.profiler, serialised). The data the CP cost model is fitted to
 (flashqla_tune/cp_plan.py, docs/kernel-notes.md).
 
-    python -P scripts/cp_profile.py OUT_DIR
+    python -P scripts/cp_profile.py OUT_DIR [--heads 8/32 ... --seqlens 1x16384 ...]
+
+With --heads and --seqlens, every (heads, seqlens) pair replaces the default rows (e.g. the lone
+12288- and 16384-token rows that decide whether 8/24 and 8/32 split bucket 256; kernel notes,
+twelfth session).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from flashqla_tune import runtime, warmup as warmup_tables
-from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.cases import Case, parse_seqlens
 from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
 from flashqla_tune.bench.timing import CudaTimer, kernel_ms_per_call
 from flashqla_tune.cp_plan import SEGMENT_BUCKETS
@@ -64,13 +69,29 @@ def row(case: Case, timer: CudaTimer) -> dict:
             "model_lengths": {k: v[:16] for k, v in model.items()}, "graph_ms": graph_ms, "model_kernels_ms": kernels}
 
 
-def main(out_dir: str) -> int:
+def cases_of(heads: list[str] | None, seqlens: list[str] | None) -> list[Case]:
+    """The default ROWS, or every pair of --heads H_qk/H_v and --seqlens (both needed)."""
+    if not heads and not seqlens:
+        return ROWS
+    if not heads or not seqlens:
+        raise SystemExit("give both --heads and --seqlens (every pair is a row), or neither")
+    cases = []
+    for h in heads:
+        try:
+            hqk, hv = (int(x) for x in h.split("/"))
+        except ValueError:
+            raise SystemExit(f"--heads {h!r}: use H_qk/H_v, e.g. 8/32") from None
+        cases += [Case(hqk, hv, parse_seqlens(s)) for s in seqlens]
+    return cases
+
+
+def main(out_dir: str, cases: list[Case]) -> int:
     timer = CudaTimer(budget_s=0.1)
-    plans = {default_plan(GDNSpec(c.num_qk_heads, c.num_v_heads)) for c in ROWS}
+    plans = {default_plan(GDNSpec(c.num_qk_heads, c.num_v_heads)) for c in cases}
     with ThreadPoolExecutor(len(plans)) as pool:  # nvcc runs in subprocesses: build every plan at once
         list(pool.map(runtime.library, plans))
     rows = []
-    for case in ROWS:
+    for case in cases:
         rows.append(row(case, timer))
         print(json.dumps(rows[-1]), flush=True)
         with open(f"{out_dir}/cp_profile.json", "w") as f:
@@ -79,4 +100,9 @@ def main(out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "."))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", default=".")
+    parser.add_argument("--heads", action="append", help="H_qk/H_v (with --seqlens: every pair is a row)")
+    parser.add_argument("--seqlens", action="append", help="a length mix, e.g. 1x16384 or 12288+4096")
+    args = parser.parse_args()
+    sys.exit(main(args.out_dir, cases_of(args.heads, args.seqlens)))

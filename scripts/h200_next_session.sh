@@ -27,7 +27,8 @@
 #   bash scripts/h200_next_session.sh prep-ablation   the prep's time per stage by leaving stages out
 #                                                 (scripts/prep_ablation.py; no counters needed)
 #   bash scripts/h200_next_session.sh tune-smoke  a few tuner trials measured in the child process (carry .whl)
-#   bash scripts/h200_next_session.sh cp          the context-parallel GPU tests and scripts/cp_profile.py
+#   bash scripts/h200_next_session.sh cp [--heads H/V ... --seqlens MIX ...]   the context-parallel GPU
+#                                                 tests and scripts/cp_profile.py
 #   bash scripts/h200_next_session.sh eager-default   eager timings of the op's default beside FLA and
 #                                                 FlashQLA on every row the default window splits
 #   bash scripts/h200_next_session.sh cp-bench [--heads H/V ...]   ours without CP, with calibrated
@@ -193,12 +194,14 @@ case "${1:-tests}" in
       > "$OUT/tune_smoke.log" 2>&1
     echo "tune rc=$?"; tail -n 16 "$OUT/tune_smoke.log" | cut -c1-300 ;;
   cp)
-    # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split);
+    # the CP GPU tests, then scripts/cp_profile.py (time per forced segment length, per-kernel split)
+    # on its default rows or those of the extra arguments (--heads 8/32 --seqlens 1x16384 ...);
     # scripts/diag_cp.py localises a failure by path (windows / exact / guard) when one appears
+    shift
     timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
       -k "context_parallel or forced_short" > "$OUT/gpu_tests_cp.log" 2>&1
     grep -E "^cp |passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 40
-    timeout 220 python3 -P scripts/cp_profile.py "$OUT" > "$OUT/cp_profile.log" 2>&1
+    timeout 220 python3 -P scripts/cp_profile.py "$OUT" "$@" > "$OUT/cp_profile.log" 2>&1
     tail -c 600 "$OUT/cp_profile.log" ;;
   eager-default)
     # issue 4: the scoreboard rows whose op column the default window changes (v6 measured their
