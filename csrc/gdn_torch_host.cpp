@@ -9,8 +9,9 @@
 // It never raises on input: whatever it does not take as is (a dtype to convert, a strided
 // tensor or one off a 16-byte boundary, shapes that do not fit, grad-requiring inputs, offsets to
 // refuse, a CP bound over the limits) returns None, and the Python op runs its checked path, which
-// owns every error message and conversion. Both paths call the same library with the same arguments, so their outputs are
-// the same bit for bit (tests/test_host_path.py, tests/test_gpu_forward.py).
+// owns every error message and conversion. Both paths call the same library with the same
+// arguments, so their outputs are the same bit for bit (tests/test_host_path.py,
+// tests/test_gpu_forward.py).
 //
 // No CUDA header: tensors are allocated through ATen's dispatcher and the stream is an integer.
 #include <torch/extension.h>
