@@ -1,7 +1,7 @@
 // Host side of the GDN forward: workspace layout, TMA descriptors, launches. Never synchronises.
 //
-// Two launches per call: the prep kernel (parallel over chunks), then the sequential kernel as
-// its programmatic dependent (PDL). When the sequential grid leaves most SMs idle (few heads,
+// Two launches per call without context parallelism (gdn_fwd_cp_launch has six): the prep kernel
+// (parallel over chunks), then the sequential kernel as its programmatic dependent (PDL). When the sequential grid leaves most SMs idle (few heads,
 // few long sequences), the two overlap: the prep runs on the idle SMs in chunk order and
 // publishes each item, and the sequential kernel consumes items as they become ready. Otherwise
 // the prep fills the GPU and the sequential kernel only hides its launch and prologue behind it.

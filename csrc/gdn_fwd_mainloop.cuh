@@ -174,7 +174,8 @@ struct FwdParams {
   const int64_t* cu_seqlens;
   const float* initial_state;  // may be null
   float* final_state;          // may be null
-  const CpJob* jobs;           // [grid.z, Hv] context-parallel jobs; null: CTA z runs sequence z
+  const CpJob* jobs;           // [rows, Hv] context-parallel jobs (CTA z runs row job_row()); null: CTA z
+                               // runs sequence z
   typename Cfg::Elem* o;       // [T, Hv, V]
   int64_t total_tokens;
   int64_t num_seqs;

@@ -1,8 +1,10 @@
-// Ordering: between the prep kernel and the sequential kernel when they overlap, and between an
-// mbarrier or cp.async wait and the plain memory accesses it guards.
+// Ordering: between the prep kernel and the sequential kernel when they overlap, between the CP
+// chain kernel and the forward pass after it, and between an mbarrier or cp.async wait and the
+// plain memory accesses it guards.
 //
 // The sequential kernel is launched as a programmatic dependent of the prep kernel (PDL), so it
-// may start while the prep still runs. Two ways to then read the prep's output safely:
+// may start while the prep still runs (with CP, the forward pass is the chain kernel's dependent
+// the same way: gdn_cp.cuh). Two ways to then read the prep's output safely:
 //   - wait_prerequisite_grids(): the whole prep grid has finished and its writes are visible;
 //   - per work item, a ready flag the prep publishes with release semantics and the reader
 //     acquires before reading that item (what lets the two kernels run side by side).

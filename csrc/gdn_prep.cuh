@@ -11,10 +11,10 @@
 // K K^T and Q K^T run on the tensor cores (one warp group each); A0 is solved without
 // exponentials (gate-free), then the decay mask is applied. With one v-head per q/k head (G = 1)
 // 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
-// (gdn_prep_solve_mma.cuh); otherwise one column per thread for up to Threads / 64 v-heads at
-// once. Threads is a plan parameter (prep_threads): 256 solves four v-heads per item; 128 solves
-// two but fits three CTAs per SM, for models with one or two v-heads per q/k head, where most of
-// a 256-thread CTA would idle in the solve. With ready flags, each finished item is published so
+// (gdn_prep_solve_mma.cuh). With several v-heads, 128 threads run that solve for each head in
+// turn on threads 0..63 while the others write P; 256 threads solve one column per thread for up
+// to four v-heads at once. Threads is a plan parameter (prep_threads): 128 fits three CTAs per SM
+// and is the default up to three v-heads per q/k head (plan.default_tiles). With ready flags, each finished item is published so
 // the sequential kernel can run beside this one (see gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
@@ -111,7 +111,8 @@ template <class Elem, int Hqk, int HeadK, int Threads_>
 struct PrepConfig {
   static constexpr int Threads = Threads_;
   static_assert(Threads == 128 || Threads == 256, "the prep kernel runs one or two warp groups");
-  static constexpr int HeadBatch = Threads / kChunk;  // v-heads solved at once: one A0 column per thread
+  static constexpr int HeadBatch = Threads / kChunk;  // v-heads per batch of gates (solved at once with 256
+                                                      // threads, one A0 column per thread; in turn with 128)
   static constexpr int CtasPerSm = Threads == 256 ? 2 : 3;
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;

@@ -61,7 +61,8 @@ enum : int32_t {
   // Grid z in [0, S) runs the jobs of row z that start from h0 or a warm-up state: they need
   // nothing from the exact chain and start at once. z in [S, 2 S) runs the jobs of row z - S that
   // start from a chained state, after the chain kernel, the launch's programmatic prerequisite,
-  // has finished. Lower z is dispatched first, so waiting CTAs come after every unchained one.
+  // has finished. CTAs of lower z tend to be dispatched first (not a guarantee, and correctness
+  // does not rest on it), so waiting CTAs mostly come after the unchained ones.
   kUnchainedThenChained = 1,
 };
 

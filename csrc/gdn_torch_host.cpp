@@ -135,7 +135,7 @@ py::object forward(const Context& c, const at::Tensor& q, const at::Tensor& k, c
     if (t->sizes() != at::IntArrayRef(gate_shape) || t->scalar_type() != at::kFloat) return fallback;
   for (const at::Tensor* t : {&q, &k, &v, &g, &beta})
     if (!on(*t, c.device) || !t->is_contiguous()) return fallback;
-  // TMA loads q, k and v from 16-byte boundaries; the Python path copies a view that starts off one
+  // TMA needs q, k and v to start on a 16-byte boundary; the Python path copies a view that does not
   for (const at::Tensor* t : {&q, &k, &v})
     if (reinterpret_cast<std::uintptr_t>(t->data_ptr()) % 16 != 0) return fallback;
   if (at::GradMode::is_enabled())

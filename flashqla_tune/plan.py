@@ -42,7 +42,8 @@ class TileParams:
     consumer_regs: int = 232     # registers per thread of each math (consumer) warp group
     ctas_per_sm: int = 1         # CTAs resident per SM (two let two sequential chains share an SM)
     output_group: int = 0        # 1: a further warp group computes O from the chain's handed-over S and Vn
-    prep_threads: int = 256      # the prep kernel's CTA: 256 solves 4 v-heads per item, 128 two (3 CTAs/SM)
+    prep_threads: int = 256      # the prep kernel's CTA: 256 solves 4 v-heads at once, 128 one at a time
+                                 # on the tensor cores (3 CTAs/SM)
 
     @property
     def consumers(self) -> int:

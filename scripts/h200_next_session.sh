@@ -105,7 +105,8 @@ case "${1:-tests}" in
     tail -n 2 "$OUT/host_overhead.log" | cut -c1-600 ;;
   pair-cp-half)
     # GPU 0: the CP, host-path and two-per-SM GPU tests, then the host step (FLA and FlashQLA left
-    # out); GPU 1: the scoreboard's second half (pair-score)
+    # out; its times are inflated by GPU 1's parallel builds: host-then-half times it alone);
+    # GPU 1: the scoreboard's second half (pair-score)
     (CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
        -k "context_parallel or forced_short or cpp_host or group3 or two_ctas" > "$OUT/gpu_tests_cp.log" 2>&1
      CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1) &

@@ -262,8 +262,8 @@ def test_cpp_host_path_agrees_bitwise_with_the_python_path(name, monkeypatch):
 
 def test_q_k_v_off_a_16_byte_boundary_give_what_aligned_ones_give():
     """q, k and v as contiguous views one element past a 16-byte boundary, whose address TMA
-    refuses: the public op copies them (the C++ path hands such calls to the Python path) and
-    gives bitwise what the same values on a boundary give."""
+    refuses: the C++ host path, live for the signature, hands such calls to the Python path, which
+    copies them; the result is bitwise what the same values on a boundary give."""
     inp = make_case(15, [300, 77, 1000], 2, 8, torch.bfloat16, "mixed", True, False)
     shifted = []
     for name in ("q", "k", "v"):
@@ -275,8 +275,12 @@ def test_q_k_v_off_a_16_byte_boundary_give_what_aligned_ones_give():
     host_path.extension()
     with torch.no_grad():
         aligned = ops.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
-        for _ in range(2):  # the second call of the signature would take the C++ path if it could
+        before = host_path.taken
+        ops.chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], **kw)
+        assert host_path.taken == before + 1, "the C++ path must be live for this signature"
+        for _ in range(2):
             assert_written_and_equal(aligned, ops.chunk_gated_delta_rule(*shifted, inp["g"], inp["beta"], **kw))
+        assert host_path.taken == before + 1, "the C++ path took a view off a 16-byte boundary"
     torch.cuda.synchronize()
 
 

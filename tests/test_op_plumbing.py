@@ -90,7 +90,7 @@ def test_q_k_v_off_a_16_byte_boundary_reach_the_library_as_aligned_copies(record
     v = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
     g = torch.zeros(1, 64, 8)
     assert k.is_contiguous() and k.data_ptr() % 16 != 0
-    ops.run_checked(q, k, v, g, g, None, None, False, False, False, torch.tensor([0, 64]), plan_name=plan.name)
+    ops.run_checked(q, k, v, g, g, None, None, False, False, True, torch.tensor([0, 64]), plan_name=plan.name)
     (args, _, _), = lib.calls
     assert args.q == q.data_ptr() and args.v == v.data_ptr()   # aligned ones are passed as they are
     assert args.k != k.data_ptr() and args.k % 16 == 0
