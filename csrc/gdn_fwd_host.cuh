@@ -1,10 +1,11 @@
 // Host side of the GDN forward: workspace layout, TMA descriptors, launches. Never synchronises.
 //
 // Two launches per call without context parallelism (gdn_fwd_cp_launch has six): the prep kernel
-// (parallel over chunks), then the sequential kernel as its programmatic dependent (PDL). When the sequential grid leaves most SMs idle (few heads,
-// few long sequences), the two overlap: the prep runs on the idle SMs in chunk order and
-// publishes each item, and the sequential kernel consumes items as they become ready. Otherwise
-// the prep fills the GPU and the sequential kernel only hides its launch and prologue behind it.
+// (parallel over chunks), then the sequential kernel as its programmatic dependent (PDL). When the
+// sequential grid leaves most SMs idle (few heads, few long sequences), the two overlap: the prep
+// runs on the idle SMs in chunk order and publishes each item, and the sequential kernel consumes
+// items as they become ready. Otherwise the prep fills the GPU and the sequential kernel only
+// hides its launch and prologue behind it.
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -146,20 +147,6 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
   return launch_programmatic<Cfg>(gdn_fwd_kernel<Cfg>, fp, 2 * S, stream);
 }
 
-// The same parameters for another configuration of the same shapes (TwoPerSmConfig): its TMA
-// descriptors and tiles are the plan's.
-template <class To, class From>
-FwdParams<To> fwd_params_as(const FwdParams<From>& f) {
-  static_assert(std::is_same_v<typename To::TmaQK, typename From::TmaQK> &&
-                    std::is_same_v<typename To::TmaV, typename From::TmaV> &&
-                    std::is_same_v<typename To::TmaMat, typename From::TmaMat>,
-                "the two configurations must load the same tiles");
-  FwdParams<To> t{f.tma_q, f.tma_k, f.tma_v, f.tma_aw, f.tma_p, f.gamma, f.ready, f.cu_seqlens, f.initial_state,
-                  f.final_state, f.jobs, f.o, f.total_tokens, f.num_seqs, f.num_slots, f.scale};
-  t.job_pass = f.job_pass;
-  return t;
-}
-
 template <class Cfg>
 cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
@@ -288,8 +275,8 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   if constexpr (TwoPerSmConfig<Cfg>::exists) {
     // More chains than SMs: two per SM in one wave instead of two waves (no prep overlap then).
     using Two = typename TwoPerSmConfig<Cfg>::type;
-    if (main_ctas > sm_count && !overlap)
-      return launch_programmatic<Two>(gdn_fwd_kernel<Two>, fwd_params_as<Two>(fp), N, stream);
+    static_assert(std::is_same_v<FwdParams<Two>, FwdParams<Cfg>>, "the two configurations must load the same tiles");
+    if (main_ctas > sm_count && !overlap) return launch_programmatic<Two>(gdn_fwd_kernel<Two>, fp, N, stream);
   }
   return launch_programmatic<Cfg>(main_kernel, fp, N, stream);
 }

@@ -162,13 +162,16 @@ struct TwoPerSmConfig {
                          /*output_group=*/false, Cfg::PrepThreads>;
 };
 
-template <class Cfg>
-struct FwdParams {
-  typename Cfg::TmaQK tma_q;
-  typename Cfg::TmaQK tma_k;
-  typename Cfg::TmaV tma_v;
-  typename Cfg::TmaMat tma_aw;
-  typename Cfg::TmaMat tma_p;
+// The sequential kernel's parameters, typed by what it loads and stores only: configurations that
+// load the same tiles (a plan and its TwoPerSmConfig) share one parameter type, so one set of TMA
+// descriptors and pointers serves either kernel.
+template <class Elem, class TmaQK, class TmaV, class TmaMat>
+struct FwdParamsOf {
+  TmaQK tma_q;
+  TmaQK tma_k;
+  TmaV tma_v;
+  TmaMat tma_aw;
+  TmaMat tma_p;
   const float* gamma;          // [Hv, slots * 64]
   const uint32_t* ready;       // [Hqk, slots] prep's per-item flags; null: wait for the whole prep grid
   const int64_t* cu_seqlens;
@@ -176,13 +179,15 @@ struct FwdParams {
   float* final_state;          // may be null
   const CpJob* jobs;           // [rows, Hv] context-parallel jobs (CTA z runs row job_row()); null: CTA z
                                // runs sequence z
-  typename Cfg::Elem* o;       // [T, Hv, V]
+  Elem* o;                     // [T, Hv, V]
   int64_t total_tokens;
   int64_t num_seqs;
   int64_t num_slots;
   float scale;
   int32_t job_pass = kAllJobs; // with jobs: which of them this launch runs (kUnchainedThenChained)
 };
+template <class Cfg>
+using FwdParams = FwdParamsOf<typename Cfg::Elem, typename Cfg::TmaQK, typename Cfg::TmaV, typename Cfg::TmaMat>;
 
 // Accumulator element e of a 64 x N wgmma tile sits at (row0 + 8 * ((e / 2) % 2), col0 + e % 2 +
 // 8 * (e / 4)) (CuTe's SM90 C layout); A-register fragment element e has the same coordinates,
@@ -347,12 +352,12 @@ __device__ __forceinline__ void output_group(const FwdParams<Cfg>& p, typename C
 
 // With jobs: whether this CTA is in the chained half of a kUnchainedThenChained launch, and the
 // row of p.jobs it runs (grid z, less the first half's S rows in the chained half).
-template <class Cfg>
-__device__ __forceinline__ bool in_chained_half(const FwdParams<Cfg>& p) {
+template <class Params>
+__device__ __forceinline__ bool in_chained_half(const Params& p) {
   return p.job_pass == kUnchainedThenChained && blockIdx.z >= gridDim.z / 2;
 }
-template <class Cfg>
-__device__ __forceinline__ int64_t job_row(const FwdParams<Cfg>& p) {
+template <class Params>
+__device__ __forceinline__ int64_t job_row(const Params& p) {
   return int64_t(blockIdx.z) - (in_chained_half(p) ? int64_t(gridDim.z / 2) : 0);
 }
 

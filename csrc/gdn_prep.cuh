@@ -14,8 +14,8 @@
 // (gdn_prep_solve_mma.cuh). With several v-heads, 128 threads run that solve for each head in
 // turn on threads 0..63 while the others write P; 256 threads solve one column per thread for up
 // to four v-heads at once. Threads is a plan parameter (prep_threads): 128 fits three CTAs per SM
-// and is the default up to three v-heads per q/k head (plan.default_tiles). With ready flags, each finished item is published so
-// the sequential kernel can run beside this one (see gdn_fwd_host.cuh).
+// and is the default up to three v-heads per q/k head (plan.default_tiles). With ready flags, each
+// finished item is published so the sequential kernel can run beside this one (gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -428,16 +428,21 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         __syncthreads();
       }
 
-      // 4. A0 one column per thread (head h = tid / 64, column c = tid % 64), by forward
-      //    substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1.
-      //    Columns are independent, so no barrier; the warp reads the same K K^T row (a broadcast).
-      //    Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
-      //    With several v-heads and 128 threads, the batch's heads are solved one after another by
-      //    the tensor-core solve (the G = 1 path below) on threads 0..63 while threads 64..127
-      //    write P: on the H200 that took 16/32's prep from 0.347 ms (128 threads, a column per
-      //    thread and head) to 0.298 on 1x32768 and from 0.106 to 0.089 on 1024x8, ahead of 256
-      //    threads' 0.335 and 0.121 (docs/kernel-notes.md, twelfth session).
-      constexpr bool kMmaEachHead = G > 1 && Threads == 128 && prep_runs(kAblateSolve);
+      // 4. A0 for each head of the batch. On the tensor cores (gdn_prep_solve_mma.cuh) with one
+      //    v-head per q/k head, and with several when the CTA has 128 threads: threads 0..63 solve
+      //    the batch's heads one after another by 16 x 16 blocks while threads 64.. write P. X lands
+      //    in K K^T's upper triangle, column c of X in row c of the tile (16-byte loads,
+      //    conflict-free within each quarter warp), streamed to Aw without holding the column in
+      //    registers; K K^T's lower triangle stays, so each head's X overwrites the previous one's
+      //    once every column of it has been stored. With several heads this took 16/32's prep from
+      //    0.347 ms (128 threads, a column per thread and head) to 0.298 on 1x32768 and from 0.106
+      //    to 0.089 on 1024x8, ahead of 256 threads' 0.335 and 0.121 (kernel-notes, twelfth session).
+      //    Otherwise (256 threads, several heads) one column per thread (head h = tid / 64, column
+      //    c = tid % 64), by forward substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j
+      //    for i > c, x_c = 1. Columns are independent, so no barrier; the warp reads the same
+      //    K K^T row (a broadcast). Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing
+      //    32 adjacent columns of a row.
+      constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another
@@ -455,10 +460,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           }
         };
       };
-      if constexpr (kMmaEachHead) {
-        // The batch's heads in turn on threads 0..63 (barrier 1 is theirs alone, as in the solve):
-        // K K^T's lower triangle stays, each head's X overwrites the upper one once every column of
-        // the previous head's X has been stored.
+      if constexpr (kTensorCoreSolve) {
+        // Exactly threads 0..63 get here: the 64 threads that named barrier 1 inside the solve
+        // waits for. No other thread of the CTA may use barrier 1.
+        static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
         if (tid < kChunk) {
           const int c = tid;
           for (int h = 0; h < nb; ++h) {
@@ -471,52 +476,40 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         const int h = tid / kChunk, c = tid % kChunk;
         if (h < nb) {
           const float* bet = ss.beta[h];
-          const auto store_aw = aw_column_store(h, c);
-          if constexpr (G == 1 && prep_runs(kAblateSolve)) {
-            // One v-head: the 64 solving threads share the work by 16 x 16 blocks on the tensor
-            // cores (gdn_prep_solve_mma.cuh); X lands in K K^T's upper triangle, column c of X in
-            // row c of the tile (16-byte loads, conflict-free within each quarter warp), streamed
-            // to Aw without holding the column in registers. G = 1 makes nb = 1, so exactly warps
-            // 0 and 1 get here: the 64 threads that named barrier 1 inside the solve waits for.
-            // No other thread of the CTA may use barrier 1.
-            static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
-            solve_mma::solve<kPrepPad>(ss.kk, bet, tid);
-            for_each_in_x_column<kPrepPad>(ss.kk, c, store_aw);
-          } else {
-            float x[kChunk];
-            // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
-            // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
-            auto solve_from = [&](auto first_row) {
-              constexpr int I0 = decltype(first_row)::value;
-              CUTE_UNROLL
-              for (int i = 0; i < I0; ++i) x[i] = 0.f;
-              CUTE_UNROLL
-              for (int i = I0; i < kChunk; ++i) {
-                const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-                CUTE_UNROLL
-                for (int j4 = I0; j4 < i; j4 += 4) {
-                  const float4 kk = row[j4 / 4];
-                  const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
-                  CUTE_UNROLL
-                  for (int t = 0; t < 4; ++t)
-                    if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
-                }
-                const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
-                x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
-              }
-            };
-            if constexpr (!prep_runs(kAblateSolve)) {
-              CUTE_UNROLL
-              for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
-            } else if (c >= kChunk / 2) {
-              solve_from(Int<kChunk / 2>{});
-            } else {
-              solve_from(Int<0>{});
-            }
+          float x[kChunk];
+          // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
+          // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
+          auto solve_from = [&](auto first_row) {
+            constexpr int I0 = decltype(first_row)::value;
             CUTE_UNROLL
-            for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
+            for (int i = 0; i < I0; ++i) x[i] = 0.f;
+            CUTE_UNROLL
+            for (int i = I0; i < kChunk; ++i) {
+              const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+              float part[4] = {0.f, 0.f, 0.f, 0.f};
+              CUTE_UNROLL
+              for (int j4 = I0; j4 < i; j4 += 4) {
+                const float4 kk = row[j4 / 4];
+                const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+                CUTE_UNROLL
+                for (int t = 0; t < 4; ++t)
+                  if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+              }
+              const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
+              x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+            }
+          };
+          if constexpr (!prep_runs(kAblateSolve)) {
+            CUTE_UNROLL
+            for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
+          } else if (c >= kChunk / 2) {
+            solve_from(Int<kChunk / 2>{});
+          } else {
+            solve_from(Int<0>{});
           }
+          const auto store_aw = aw_column_store(h, c);
+          CUTE_UNROLL
+          for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
         }
       }
 
@@ -525,7 +518,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    128 threads, two on 16/32 with 256), those threads write all of P while the others
       //    solve, which takes P off the item's critical path; otherwise every thread writes its
       //    share after its column. P reads only the Q K^T tile and the gates, both final here.
-      const int p_first = kMmaEachHead ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
+      const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
       const int p_threads = Threads - p_first, ptid = tid - p_first;
       for (int h = 0; h < (prep_runs(kAblatePOut) && ptid >= 0 ? nb : 0); ++h) {
         const int hv = hqk * G + hb + h;

@@ -1,4 +1,5 @@
-// The prep's A0 solve for one v-head per item (G = 1) on 64 threads, by 16 x 16 blocks:
+// The prep's A0 solve for one v-head on 64 threads (with several v-heads per item, the 128-thread
+// prep runs it for each in turn), by 16 x 16 blocks:
 //   M = I + L, L[i][j] = b_i (k_i . k_j) for i > j (K K^T's lower triangle, scaled per row), X = M^-1.
 //   stage 0  the four diagonal blocks X_aa by substitution, one column per thread (16 steps);
 //   stage 1  X_10 = -X_11 (L_10 X_00) and X_32 = -X_33 (L_32 X_22), one warp each;
