@@ -5,7 +5,10 @@
 //
 // Per call, after the prep kernel (gdn_fwd_host.cuh launches them in this order):
 //   cp_segments_kernel  one CTA: segment counts per sequence (L from the sequence's own length),
-//                       their prefix sum, and segment -> (sequence, index).
+//                       their prefix sum, and segment -> (sequence, index). Only for calls of more
+//                       than kFusedSegmentSeqs sequences; otherwise each cp_jobs_kernel CTA scans
+//                       the few sequences itself, which costs less than a launch (about 5 us of
+//                       host time on the H200's hosts).
 //   cp_jobs_kernel      per (segment, v-head): the forward job of the segment and, at each
 //                       boundary, either a warm-up window (n_h chunks from a zero state, kept only
 //                       if the guard holds on this input) or, for exact boundaries, the previous
@@ -34,8 +37,9 @@ namespace fqt {
 
 constexpr int kSegmentBuckets = 32;  // entry b: sequences of at most 2^b chunks (the last: longer ones)
 constexpr int kPlanThreads = 1024;
-constexpr int kGuardThreads = 512;  // a window's tokens spread over 16 warps: the guard is latency-bound
+constexpr int kGuardThreads = 512;  // a thread per window token: windows of up to 8 chunks in one round
 constexpr int64_t kMaxSegments = 65535 / 3;  // the state pass has 3 grid z-slices per segment
+constexpr int kFusedSegmentSeqs = 64;  // up to this many sequences cp_jobs_kernel plans the segments itself
 
 // Segment length in chunks for a sequence of `chunks` chunks; a result of 0 or >= chunks means one
 // segment.
@@ -74,7 +78,15 @@ struct CpPlanArgs {
   int64_t num_segments;           // S
   float log_eps;
   int32_t use_qk_l2norm;
+  int32_t fused_segments;         // 1: no cp_segments_kernel ran; cp_jobs_kernel plans (num_seqs <= kFusedSegmentSeqs)
 };
+
+// Segments sequence i asks for (at least one), at most S.
+__device__ __forceinline__ int32_t wanted_segments(const CpPlanArgs& a, int64_t i) {
+  const int64_t chunks = sequence_range(a.cu_seqlens, i, a.total_tokens).num_chunks();
+  const int64_t want = segments_of(chunks, segment_chunks_for(a.segment_chunks, chunks));
+  return int32_t(want < a.num_segments ? want : a.num_segments);
+}
 
 __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanArgs a) {
   using Scan = cub::BlockScan<int32_t, kPlanThreads>;  // counts fit: S <= kMaxSegments
@@ -84,12 +96,7 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
   __syncthreads();
   for (int64_t base = 0; base < a.num_seqs; base += kPlanThreads) {
     const int64_t i = base + threadIdx.x;
-    int32_t n = 0;
-    if (i < a.num_seqs) {
-      const int64_t chunks = sequence_range(a.cu_seqlens, i, a.total_tokens).num_chunks();
-      const int64_t want = segments_of(chunks, segment_chunks_for(a.segment_chunks, chunks));
-      n = int32_t(want < a.num_segments ? want : a.num_segments);
-    }
+    const int32_t n = i < a.num_seqs ? wanted_segments(a, i) : 0;
     int32_t before;
     Scan(scan).ExclusiveSum(n, before);
     const int64_t first = carry + before;
@@ -113,38 +120,80 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
 
 // The guard over tokens [t0, t1) of v-head hv: the summed log-decay reaches log(eps) and every
 // token keeps 0 <= b ||k||^2 <= 2 (so each (I - b k k^T) is a contraction). NaN fails both.
+// A thread per token: it reads its k row as K / 8 16-byte pieces, all in flight at once, so a
+// window of up to kGuardThreads tokens costs one round of loads (a warp per token walked the
+// window one dependent load at a time: cp_jobs_kernel took 13-16 us per CP call on the H200, now
+// 7-12 us, docs/kernel-notes.md, thirteenth session).
+// The sums run in a fixed order (per thread, then an xor tree, then by warp): deterministic.
 template <class Elem, int Hqk, int Hv, int K>
 __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int hv) {
+  static_assert(sizeof(Elem) == 2 && K % 8 == 0, "a k row is read as 16-byte pieces of eight elements");
   constexpr int kWarps = kGuardThreads / 32;
   __shared__ float warp_sums[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hqk = hv / (Hv / Hqk);
-  const Elem* k = static_cast<const Elem*>(a.k);
   float decay = 0.f;
   bool ok = true;
-#pragma unroll 4
-  for (int64_t t = t0 + warp; t < t1; t += kWarps) {  // a warp per token, in a fixed order
+  for (int64_t t = t0 + threadIdx.x; t < t1; t += kGuardThreads) {
+    const float beta = a.beta[t * Hv + hv], g = a.g[t * Hv + hv];  // issued first: in flight with k
+    // 16-byte aligned: k starts on a 16-byte boundary (runtime.tma_ready) and rows are K * 2 bytes
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const Elem*>(a.k) + (t * Hqk + hqk) * K);
+    uint4 pieces[K / 8];
+#pragma unroll
+    for (int p = 0; p < K / 8; ++p) pieces[p] = __ldg(row + p);
     float sq = 0.f;
 #pragma unroll
-    for (int d = lane; d < K; d += 32) {
-      const float x = float(k[(t * Hqk + hqk) * K + d]);
-      sq += x * x;
+    for (int p = 0; p < K / 8; ++p) {
+      const Elem* e = reinterpret_cast<const Elem*>(&pieces[p]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float x = float(e[j]);
+        sq = fmaf(x, x, sq);
+      }
     }
-    for (int off = 16; off > 0; off /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, off);
     const float norm2 = a.use_qk_l2norm ? sq / (sq + 1e-6f) : sq;  // the kernel's in-kernel norm
-    const float bk = a.beta[t * Hv + hv] * norm2;
+    const float bk = beta * norm2;
     ok = ok && bk >= 0.f && bk <= 2.f;
-    decay += a.g[t * Hv + hv];
+    decay += g;
   }
+  for (int off = 16; off > 0; off /= 2) decay += __shfl_xor_sync(0xffffffffu, decay, off);
   if (lane == 0) warp_sums[warp] = decay;
   const bool all_ok = __syncthreads_and(ok);
   float total = 0.f;
-  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];  // fixed order: deterministic
+  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
   return all_ok && total <= a.log_eps;
 }
 
+// Segment z of cp_segments_kernel's plan, found by this CTA alone (a.fused_segments: a thread per
+// sequence, one scan): its sequence (-1 past the last segment), index and the sequence's segment
+// count. CTA (0, 0) also writes every sequence's first segment and count, which the chain reads.
+struct SegmentOf {
+  int32_t seq, index, count;
+};
+__device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z) {
+  static_assert(kFusedSegmentSeqs <= kGuardThreads, "a thread per sequence");
+  using Scan = cub::BlockScan<int32_t, kGuardThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ SegmentOf found;
+  const int64_t i = threadIdx.x;
+  const int32_t n = i < a.num_seqs ? wanted_segments(a, i) : 0;
+  if (threadIdx.x == 0) found = SegmentOf{-1, 0, 0};
+  int32_t first;
+  Scan(scan).ExclusiveSum(n, first);
+  __syncthreads();  // the reset above comes before any thread's find below
+  const int64_t room = a.num_segments - first;  // as cp_segments_kernel trims overlapping offsets
+  const int32_t count = int32_t(room <= 0 ? 0 : (n < room ? n : room));
+  if (i < a.num_seqs && first <= z && z < first + int64_t(count)) found = SegmentOf{int32_t(i), int32_t(z - first), count};
+  if (blockIdx.x == 0 && blockIdx.y == 0 && i < a.num_seqs) {
+    a.seq_first[i] = first;
+    a.seq_count[i] = count;
+  }
+  __syncthreads();
+  return found;
+}
+
 template <class Elem, int Hqk, int Hv, int K, int V>
-__global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs a) {
+__global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanArgs a) {
   constexpr int64_t kState = int64_t(K) * V;
   const int64_t z = blockIdx.x;
   const int hv = blockIdx.y;
@@ -152,12 +201,19 @@ __global__ void __launch_bounds__(kGuardThreads) cp_jobs_kernel(const CpPlanArgs
   const int64_t row = z * Hv + hv;
   CpJob window{}, h_job{}, m_job{}, fwd{};
   bool exact = false;
-  const int32_t i = a.seg_seq[z];
+  SegmentOf seg{-1, 0, 0};
+  if (a.fused_segments) {
+    seg = plan_segment(a, z);
+  } else if ((seg.seq = a.seg_seq[z]) >= 0) {
+    seg.index = a.seg_index[z];
+    seg.count = a.seq_count[seg.seq];
+  }
+  const int32_t i = seg.seq;
   if (i >= 0) {
-    const int64_t j = a.seg_index[z];
+    const int64_t j = seg.index;
     const SeqRange r = sequence_range(a.cu_seqlens, i, a.total_tokens);
     const int64_t chunks = r.num_chunks();
-    const int64_t n = a.seq_count[i];
+    const int64_t n = seg.count;
     const int64_t L = n > 1 ? segment_chunks_for(a.segment_chunks, chunks) : chunks;
     const int64_t c0 = j * L;
     const int64_t len = r.len - c0 * kChunk < L * kChunk ? r.len - c0 * kChunk : L * kChunk;

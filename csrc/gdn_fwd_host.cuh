@@ -1,6 +1,7 @@
 // Host side of the GDN forward: workspace layout, TMA descriptors, launches. Never synchronises.
 //
-// Two launches per call without context parallelism (gdn_fwd_cp_launch has six): the prep kernel
+// Two launches per call without context parallelism (gdn_fwd_cp_launch has five, six with more
+// than kFusedSegmentSeqs sequences): the prep kernel
 // (parallel over chunks), then the sequential kernel as its programmatic dependent (PDL). When the
 // sequential grid leaves most SMs idle (few heads, few long sequences), the two overlap: the prep
 // runs on the idle SMs in chunk order and publishes each item, and the sequential kernel consumes
@@ -113,10 +114,13 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
                 a.num_seqs,
                 S,
                 a.log_eps,
-                a.use_qk_l2norm};
-  cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(pa);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
+                a.use_qk_l2norm,
+                a.num_seqs <= kFusedSegmentSeqs ? 1 : 0};
+  cudaError_t err = cudaSuccess;
+  if (!pa.fused_segments) {  // many sequences: one CTA plans them all first
+    cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(pa);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
   cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>
       <<<dim3(unsigned(S), Cfg::Hv), kGuardThreads, 0, stream>>>(pa);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;

@@ -53,6 +53,8 @@ enum : int {
   kAblateSolve = 2,   // A0 = I: no forward substitution
   kAblateAwOut = 4,   // no Aw (decay mask, exponentials, stores)
   kAblatePOut = 8,    // no P and no gamma row (decay mask, exponentials, stores)
+  kAblateQ = 16,      // no q tile: no load, no Q K^T (with kAblatePOut: the prep a sequential
+                      // kernel that forms P itself would need)
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
@@ -138,7 +140,7 @@ struct PrepConfig {
     uint64_t loaded;
   };
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
-  static constexpr uint32_t TileTxBytes = uint32_t(2 * sizeof(Elem) * cosize_v<LayoutQK>);
+  static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
 };
 
 template <class Cfg>
@@ -238,8 +240,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
     LoadBarrier::arrive_and_expect_tx(&ss.loaded, Cfg::TileTxBytes);
-    auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    copy(args.tma_q.with(ss.loaded), tq, sq);
+    if constexpr (prep_runs(kAblateQ)) {
+      auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      copy(args.tma_q.with(ss.loaded), tq, sq);
+    }
     auto [tk, sk] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     copy(args.tma_k.with(ss.loaded), tk, sk);
   };
@@ -381,24 +385,26 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         warpgroup_fence_operand(acc_q);
         warpgroup_arrive();
         wgmma_gemm(mma, tAk, tB, acc_k, true);
-        wgmma_gemm(mma, tAq, tB, acc_q, true);
+        if constexpr (prep_runs(kAblateQ)) wgmma_gemm(mma, tAq, tB, acc_q, true);
         warpgroup_commit_batch();
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_k);
         warpgroup_fence_operand(acc_q);
         store_tile(acc_k, ss.kk);
-        store_tile(acc_q, ss.qk);
+        if constexpr (prep_runs(kAblateQ)) store_tile(acc_q, ss.qk);
       } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
         const bool kk_gemm = tid < 128;
-        Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
-        Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
-        warpgroup_fence_operand(acc);
-        warpgroup_arrive();
-        wgmma_gemm(mma, tA, tB, acc, true);
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc);
-        store_tile(acc, kk_gemm ? ss.kk : ss.qk);
+        if (kk_gemm || prep_runs(kAblateQ)) {
+          Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
+          Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+          warpgroup_fence_operand(acc);
+          warpgroup_arrive();
+          wgmma_gemm(mma, tA, tB, acc, true);
+          warpgroup_commit_batch();
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(acc);
+          store_tile(acc, kk_gemm ? ss.kk : ss.qk);
+        }
       }
     }
     __syncthreads();
@@ -520,7 +526,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    share after its column. P reads only the Q K^T tile and the gates, both final here.
       const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
       const int p_threads = Threads - p_first, ptid = tid - p_first;
-      for (int h = 0; h < (prep_runs(kAblatePOut) && ptid >= 0 ? nb : 0); ++h) {
+      for (int h = 0; h < (prep_runs(kAblatePOut) && prep_runs(kAblateQ) && ptid >= 0 ? nb : 0); ++h) {
         const int hv = hqk * G + hb + h;
         const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
         const float* gam = ss.gamma[h];

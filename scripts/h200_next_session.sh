@@ -86,6 +86,58 @@ score_half() {
     > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
 }
 case "${1:-tests}" in
+  host-cp-half)
+    # on nvidia-h200-x2, after a CP launch change: the host step alone (a quiet host); then at once,
+    # on GPU 0 the CP, host-path, graph and two-per-SM GPU tests and the CP per-kernel split, on
+    # GPU 1 the scoreboard's second half (pair-score)
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    (CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+       -k "context_parallel or forced_short or cpp_host or graph or two_ctas or malformed or no_sequence or int32 or 16_byte" \
+       --durations=0 > "$OUT/gpu_tests_cp.log" 2>&1
+     CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
+       --seqlens 8192x4 --seqlens 1x8192 --impl flashqla_tune_warmup > "$OUT/kernel_split.log" 2>&1) &
+    SCORE_TIMEOUT_S=430 SCORE_BUDGET_S=360 score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    wait
+    grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 2; grep -E "^FAILED|Error" "$OUT/gpu_tests_cp.log" | head -n 12 | cut -c1-300
+    grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
+    grep -A12 "^Summary, graph" "$OUT/gpu1/scoreboard.md" | grep flashqla_tune_warmup
+    tar -C "$OUT" -czf "$OUT/scoreboard-gpu1.tar.gz" gpu1 && rm -rf "${OUT:?}/gpu1"
+    grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
+  half-oracle)
+    # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests that
+    # host-cp-half's time limit cut, the oracle cases and the remaining forward GPU tests
+    SCORE_TIMEOUT_S=440 SCORE_BUDGET_S=370 score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
+    cp_done="host_path or graph or two_ctas or malformed or no_sequence or int32 or 16_byte or mixed_varlen or windows_1_to_9 or weak_decay_guard"
+    groups=("context_parallel or forced_short" "test_forward_matches_float64_oracle"
+            "not test_forward_matches_float64_oracle and not context_parallel and not forced_short and not ($cp_done)")
+    for i in 0 1 2; do
+      CUDA_VISIBLE_DEVICES=1 timeout 450 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+        --durations=0 -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
+    done
+    wait
+    cat "$OUT"/gpu_tests_[012].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[012].log
+    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "; grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300
+    grep -A12 "^Summary, graph" "$OUT/gpu0/scoreboard.md" | grep flashqla_tune_warmup
+    tar -C "$OUT" -czf "$OUT/scoreboard-gpu0.tar.gz" gpu0 && rm -rf "${OUT:?}/gpu0" ;;
+  host-tests-ablation)
+    # on nvidia-h200-x2: the host step alone first (a quiet host), then at once the forward GPU
+    # tests on GPU 0 and, on GPU 1, the prep ablation and the CP per-kernel split of the rows the
+    # guard's cost shows in; everything but the summaries in one archive (at most 8 files return)
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    CUDA_VISIBLE_DEVICES=0 forward_gpu_tests 430 > "$OUT/tests_summary.txt" 2>&1 &
+    (CUDA_VISIBLE_DEVICES=1 timeout 270 python3 -P scripts/prep_ablation.py "$OUT" > "$OUT/prep_ablation.log" 2>&1
+     CUDA_VISIBLE_DEVICES=1 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
+       --seqlens 8192x4 --seqlens 1x8192 --impl flashqla_tune_warmup > "$OUT/kernel_split.log" 2>&1) &
+    wait
+    cat "$OUT/tests_summary.txt"; grep -E "FAILED|Error" "$OUT/gpu_tests.log" | head -n 20 | cut -c1-300
+    grep -E "^\{" "$OUT/prep_ablation.log" | cut -c1-700; grep -E "us of kernel time|cp_jobs" "$OUT/kernel_split.log" | cut -c1-260
+    rm -f "$OUT"/gpu_tests_[012].log
+    tar -C "$OUT" -czf "$OUT/logs.tar.gz" prep_ablation.log kernel_split.log host_overhead.log tests_summary.txt 2>/dev/null
+    rm -f "$OUT"/prep_ablation.log "$OUT"/kernel_split.log "$OUT"/host_overhead.log "$OUT"/tests_summary.txt ;;
   pair)
     # two GPUs of one host: the untimed tests on GPU 0, the timed sweep alone on GPU 1
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1

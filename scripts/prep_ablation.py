@@ -20,11 +20,13 @@ from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import forward_on_inputs
 
-CASES = [Case(16, 16, (32768,)), Case(2, 8, (32768,)), Case(16, 64, (8192,))]
-# csrc/gdn_prep.cuh: 1 GEMMs, 2 solve, 4 Aw output, 8 P output. Leaving the Aw output out also
-# drops the solve (its only reader), so the Aw output alone is stage(no_aw_out) - stage(no_solve).
-# no_gemms changes register allocation (24 B of spills on 2/8), so its difference is approximate.
-VARIANTS = {"full": 0, "no_gemms": 1, "no_solve": 2, "no_aw_out": 4, "no_p_out": 8, "walk_only": 15}
+CASES = [Case(16, 16, (32768,)), Case(16, 16, (1024,) * 8), Case(16, 32, (32768,)), Case(8, 32, (8192,) * 4)]
+# csrc/gdn_prep.cuh: 1 GEMMs, 2 solve, 4 Aw output, 8 P output, 16 the q tile (load and Q K^T).
+# Leaving the Aw output out also drops the solve (its only reader), so the Aw output alone is
+# stage(no_aw_out) - stage(no_solve). no_gemms changes register allocation (24 B of spills on
+# 2/8), so its difference is approximate. no_q_p is the prep a sequential kernel that formed P
+# itself would need (no q tile, no P): what moving P out of the prep can save at most.
+VARIANTS = {"full": 0, "no_solve": 2, "no_aw_out": 4, "no_p_out": 8, "no_q_p": 24, "walk_only": 31}
 REPEATS = 5
 
 
