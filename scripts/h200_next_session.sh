@@ -16,6 +16,14 @@
 #                                                 the host step on GPU 0 once its half is done
 #   bash scripts/h200_next_session.sh pair-final  on nvidia-h200-x2: the tests step's GPU tests on GPU 0 and
 #                                                 the per-kernel split of the batch-filled rows on GPU 1
+#   bash scripts/h200_next_session.sh host-tests-ablation  on nvidia-h200-x2: the host step alone, then the
+#                                                 forward GPU tests on GPU 0 and the prep ablation and CP
+#                                                 per-kernel split on GPU 1
+#   bash scripts/h200_next_session.sh host-cp-half  on nvidia-h200-x2: the host step alone, then the CP,
+#                                                 host-path, graph and two-per-SM tests and the CP split on
+#                                                 GPU 0, the scoreboard's second half on GPU 1
+#   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
+#                                                 the GPU tests host-cp-half leaves on GPU 1
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
 #   bash scripts/h200_next_session.sh sweep       plan variants (scripts/tile_sweep.py), oracle-checked and timed
 #   bash scripts/h200_next_session.sh fix-and-score EXPR   GPU tests matching EXPR, then the
@@ -288,5 +296,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
