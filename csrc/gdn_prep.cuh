@@ -58,6 +58,14 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
+// Variant (scripts/prep_variants.py, not yet run on the H200): with one v-head per q/k head and
+// 128 threads, write Aw with all 128 threads after the solve (two per column, 32 rows each)
+// instead of with the 64 solving threads while the other 64, done with P, wait. The products
+// build with 0.
+#ifndef FQT_PREP_AW_SPLIT
+#define FQT_PREP_AW_SPLIT 0
+#endif
+
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
 // made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
@@ -94,11 +102,13 @@ __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const fl
 // Column c of X = (I + L)^-1 as the tensor-core solve leaves it (row c of K K^T's upper triangle,
 // gdn_prep_solve_mma.cuh), element by element: out(i, x_i) with x_c = 1 and 0 above the diagonal.
 // 16-byte loads, conflict-free within each quarter warp.
-template <int Pad, class Out>
-__device__ __forceinline__ void for_each_in_x_column(const float* kk, int c, Out&& out) {
+// With Rows < kChunk, only rows [Rows * part, Rows * (part + 1)) of it.
+template <int Pad, int Rows = kChunk, class Out>
+__device__ __forceinline__ void for_each_in_x_column(const float* kk, int c, Out&& out, int part = 0) {
+  static_assert(Rows % 4 == 0 && kChunk % Rows == 0, "whole 16-byte pieces of the column");
   const float4* col = reinterpret_cast<const float4*>(kk + c * Pad);
   CUTE_UNROLL
-  for (int i4 = 0; i4 < kChunk / 4; ++i4) {
+  for (int i4 = part * (Rows / 4); i4 < (part + 1) * (Rows / 4); ++i4) {
     const float4 v = col[i4];
     const float vv[4] = {v.x, v.y, v.z, v.w};
     CUTE_UNROLL
@@ -449,6 +459,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    K K^T row (a broadcast). Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing
       //    32 adjacent columns of a row.
       constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
+      constexpr bool kAwByAll = FQT_PREP_AW_SPLIT && kTensorCoreSolve && G == 1 && Threads == 128;
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another
@@ -475,7 +486,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           for (int h = 0; h < nb; ++h) {
             if (h > 0) solve_mma::sync64();
             solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-            for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
+            if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
           }
         }
       } else {
@@ -534,6 +545,11 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
           store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
         if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
+      }
+      if constexpr (kAwByAll) {
+        __syncthreads();  // X is complete in K K^T's upper triangle
+        const int c = tid % kChunk;
+        for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(0, c), tid / kChunk);
       }
       __syncthreads();
     }
