@@ -88,6 +88,14 @@ __device__ __forceinline__ int32_t wanted_segments(const CpPlanArgs& a, int64_t 
   return int32_t(want < a.num_segments ? want : a.num_segments);
 }
 
+// Of the n segments of a sequence whose first is segment `first`, those below S. Overlapping
+// (malformed) cu_seqlens can ask for more than S segments: the rest is dropped, so such rows are
+// unspecified, never out of bounds.
+__device__ __forceinline__ int32_t segments_that_fit(int32_t n, int64_t first, int64_t S) {
+  const int64_t room = S - first;
+  return int32_t(room <= 0 ? 0 : (n < room ? n : room));
+}
+
 __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanArgs a) {
   using Scan = cub::BlockScan<int32_t, kPlanThreads>;  // counts fit: S <= kMaxSegments
   __shared__ typename Scan::TempStorage scan;
@@ -101,11 +109,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
     Scan(scan).ExclusiveSum(n, before);
     const int64_t first = carry + before;
     if (i < a.num_seqs) {
-      // Overlapping (malformed) cu_seqlens can ask for more than S segments: the rest is dropped,
-      // so such rows are unspecified, never out of bounds.
-      const int64_t room = a.num_segments - first;
       a.seq_first[i] = first;
-      a.seq_count[i] = int32_t(room <= 0 ? 0 : (n < room ? n : room));
+      a.seq_count[i] = segments_that_fit(n, first, a.num_segments);
       for (int64_t j = 0; j < n && first + j < a.num_segments; ++j) {
         a.seg_seq[first + j] = int32_t(i);
         a.seg_index[first + j] = int32_t(j);
@@ -181,8 +186,7 @@ __device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z
   int32_t first;
   Scan(scan).ExclusiveSum(n, first);
   __syncthreads();  // the reset above comes before any thread's find below
-  const int64_t room = a.num_segments - first;  // as cp_segments_kernel trims overlapping offsets
-  const int32_t count = int32_t(room <= 0 ? 0 : (n < room ? n : room));
+  const int32_t count = segments_that_fit(n, first, a.num_segments);
   if (i < a.num_seqs && first <= z && z < first + int64_t(count)) found = SegmentOf{int32_t(i), int32_t(z - first), count};
   if (blockIdx.x == 0 && blockIdx.y == 0 && i < a.num_seqs) {
     a.seq_first[i] = first;
