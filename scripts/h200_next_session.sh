@@ -93,6 +93,9 @@ score_half() {
     --impl fla --impl flashqla "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s "${SCORE_BUDGET_S:-370}" --prewarm \
     > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
 }
+# The GPU tests host-cp-half runs beside the scoreboard's second half; half-oracle runs the rest
+# (and the CP ones again, since host-cp-half's time limit can cut them).
+CP_HALF_TESTS="context_parallel or forced_short or cpp_host or graph or two_ctas or malformed or no_sequence or int32 or 16_byte"
 case "${1:-tests}" in
   host-cp-half)
     # on nvidia-h200-x2, after a CP launch change: the host step alone (a quiet host); then at once,
@@ -102,7 +105,7 @@ case "${1:-tests}" in
     CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
     tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
     (CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
-       -k "context_parallel or forced_short or cpp_host or graph or two_ctas or malformed or no_sequence or int32 or 16_byte" \
+       -k "$CP_HALF_TESTS" \
        --durations=0 > "$OUT/gpu_tests_cp.log" 2>&1
      CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
        --seqlens 8192x4 --seqlens 1x8192 --impl flashqla_tune_warmup > "$OUT/kernel_split.log" 2>&1) &
@@ -114,12 +117,12 @@ case "${1:-tests}" in
     tar -C "$OUT" -czf "$OUT/scoreboard-gpu1.tar.gz" gpu1 && rm -rf "${OUT:?}/gpu1"
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
   half-oracle)
-    # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests that
-    # host-cp-half's time limit cut, the oracle cases and the remaining forward GPU tests
+    # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests
+    # (again: host-cp-half's time limit can cut them), the oracle cases and the forward GPU tests
+    # host-cp-half does not run
     SCORE_TIMEOUT_S=440 SCORE_BUDGET_S=370 score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
-    cp_done="host_path or graph or two_ctas or malformed or no_sequence or int32 or 16_byte or mixed_varlen or windows_1_to_9 or weak_decay_guard"
     groups=("context_parallel or forced_short" "test_forward_matches_float64_oracle"
-            "not test_forward_matches_float64_oracle and not context_parallel and not forced_short and not ($cp_done)")
+            "not test_forward_matches_float64_oracle and not ($CP_HALF_TESTS)")
     for i in 0 1 2; do
       CUDA_VISIBLE_DEVICES=1 timeout 450 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
         --durations=0 -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
