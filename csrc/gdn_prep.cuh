@@ -58,13 +58,15 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
-// Variant (scripts/prep_variants.py, not yet run on the H200): with one v-head per q/k head and
-// 128 threads, write Aw with all 128 threads after the solve (two per column, 32 rows each)
-// instead of with the 64 solving threads while the other 64, done with P, wait. The products
-// build with 0.
-#ifndef FQT_PREP_AW_SPLIT
-#define FQT_PREP_AW_SPLIT 0
-#endif
+// Offset of Q K^T[i][j] in its fp32 tile: padded rows in a tile of its own (256 threads), or, with
+// 128 threads (PrepConfig::QkInQ), in the q tile's 16 KB once the GEMMs have read q: unpadded rows
+// whose 16-byte pieces are XOR-swizzled by row, so the accumulator stores and the row reads stay
+// within two-way bank conflicts as with the padding.
+template <bool InQ>
+__device__ __forceinline__ int qk_offset(int i, int j) {
+  if constexpr (InQ) return i * kChunk + ((((j >> 2) ^ (i & 7))) << 2) + (j & 3);
+  else return i * kPrepPad + j;
+}
 
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
@@ -78,13 +80,13 @@ __device__ __forceinline__ float exp_ftz(float x) {
 
 // P[i][j0 .. j0 + 8) as one 16-byte store: scale e^{gamma_i - gamma_j} (q_i . k_j) where
 // j <= i < L, else 0. Eight consecutive threads write one 128-byte row.
-template <class Elem>
+template <class Elem, bool QkInQ>
 __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const float* gam, int i, int j0, int L,
                                               float scale) {
   uint32_t w[4] = {0u, 0u, 0u, 0u};
   if (i < L && j0 <= i) {
-    const float4 q0 = *reinterpret_cast<const float4*>(qk + i * kPrepPad + j0);
-    const float4 q1 = *reinterpret_cast<const float4*>(qk + i * kPrepPad + j0 + 4);
+    const float4 q0 = *reinterpret_cast<const float4*>(qk + qk_offset<QkInQ>(i, j0));
+    const float4 q1 = *reinterpret_cast<const float4*>(qk + qk_offset<QkInQ>(i, j0 + 4));
     const float4 g0 = *reinterpret_cast<const float4*>(gam + j0);
     const float4 g1 = *reinterpret_cast<const float4*>(gam + j0 + 4);
     const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
@@ -125,7 +127,11 @@ struct PrepConfig {
   static_assert(Threads == 128 || Threads == 256, "the prep kernel runs one or two warp groups");
   static constexpr int HeadBatch = Threads / kChunk;  // v-heads per batch of gates (solved at once with 256
                                                       // threads, one A0 column per thread; in turn with 128)
-  static constexpr int CtasPerSm = Threads == 256 ? 2 : 3;
+  // With 128 threads, Q K^T lives in the q tile and the next item's q load waits until P has been
+  // written: without its own 17 KB tile the prep fits four CTAs per SM instead of three (prep
+  // 0.177 -> 0.173 ms on 16/16 8192x4, 0.306 -> 0.289 on 16/32; kernel-notes, fourteenth session).
+  static constexpr bool QkInQ = Threads == 128 && prep_runs(kAblateQ);
+  static constexpr int CtasPerSm = Threads == 256 ? 2 : (QkInQ ? 4 : 3);
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;
   using LayoutQK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, CK>{}));
@@ -142,12 +148,20 @@ struct PrepConfig {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
     float kk[kChunk * kPrepPad];
-    float qk[kChunk * kPrepPad];
+    float qk[QkInQ ? 4 : kChunk * kPrepPad];  // QkInQ: unused, the tile lives in q
     float gamma[HeadBatch][kChunk];
     float beta[HeadBatch][kChunk];
     float g_next[HeadBatch][kChunk];     // the next item's gates and betas (first head batch), copied
     float beta_next[HeadBatch][kChunk];  // asynchronously while this item is solved
     uint64_t loaded;
+    __device__ float* qk_tile() {
+      if constexpr (QkInQ) {
+        static_assert(sizeof(q) == kChunk * kChunk * sizeof(float), "Q K^T's fp32 tile fills the q tile");
+        return reinterpret_cast<float*>(q.data());
+      } else {
+        return qk;
+      }
+    }
   };
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
@@ -242,8 +256,17 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
 
   Tensor mQ = args.tma_q.get_tma_tensor(make_shape(int32_t(T), int32_t(Hqk * HeadK)));
   Tensor mK = args.tma_k.get_tma_tensor(make_shape(int32_t(T), int32_t(Hqk * HeadK)));
-  // One thread loads an item's q and k tiles (rows past T arrive as zeros).
-  auto issue_loads = [&](const PrepItem& it) {
+  // One thread loads an item's q and k tiles (rows past T arrive as zeros). Without q_too, the q
+  // tile comes later from issue_q_load (Cfg::QkInQ: Q K^T occupies it until P is written); the
+  // barrier's expected bytes count both tiles either way.
+  auto issue_q_load = [&](const PrepItem& it) {
+    const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
+    Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(0, it.hqk));
+    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
+    auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    copy(args.tma_q.with(ss.loaded), tq, sq);
+  };
+  auto issue_loads = [&](const PrepItem& it, bool q_too) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
     Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(0, it.hqk));
     Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(0, it.hqk));
@@ -251,8 +274,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
     LoadBarrier::arrive_and_expect_tx(&ss.loaded, Cfg::TileTxBytes);
     if constexpr (prep_runs(kAblateQ)) {
-      auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      copy(args.tma_q.with(ss.loaded), tq, sq);
+      if (q_too) {
+        auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        copy(args.tma_q.with(ss.loaded), tq, sq);
+      }
     }
     auto [tk, sk] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     copy(args.tma_k.with(ss.loaded), tk, sk);
@@ -301,7 +326,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   int64_t item = next_valid_item<Hqk>(args, blockIdx.x);
   if (item < args.num_items) {
     const PrepItem first = prep_item<Hqk>(args, item);
-    if (tid == 0) issue_loads(first);
+    if (tid == 0) issue_loads(first, true);
     prefetch_gates(first);
   }
   for (uint32_t phase = 0u; item < args.num_items; phase ^= 1u) {
@@ -379,12 +404,13 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       auto thr = mma.get_thread_slice(tid % 128);
       Tensor tB = thr.partition_fragment_B(sK);
       Tensor crd = thr.partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<kChunk>>{}));
-      auto store_tile = [&](auto& acc, float* out) {
+      auto store_tile = [&](auto& acc, float* out, auto in_q) {
         // accumulator values e, e + 1 are neighbouring columns (tests/test_fragment_layout.py):
         // one 8-byte store per pair
         CUTE_UNROLL
         for (int e = 0; e < size(acc); e += 2)
-          *reinterpret_cast<float2*>(out + get<0>(crd(e)) * kPrepPad + get<1>(crd(e))) = make_float2(acc(e), acc(e + 1));
+          *reinterpret_cast<float2*>(out + qk_offset<decltype(in_q)::value>(get<0>(crd(e)), get<1>(crd(e)))) =
+              make_float2(acc(e), acc(e + 1));
       };
       if constexpr (Threads == 128) {
         Tensor tAk = thr.partition_fragment_A(sK);
@@ -400,8 +426,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         warpgroup_wait<0>();
         warpgroup_fence_operand(acc_k);
         warpgroup_fence_operand(acc_q);
-        store_tile(acc_k, ss.kk);
-        if constexpr (prep_runs(kAblateQ)) store_tile(acc_q, ss.qk);
+        store_tile(acc_k, ss.kk, false_type{});
+        if constexpr (Cfg::QkInQ) __syncthreads();  // every warp's GEMMs have read q
+        if constexpr (prep_runs(kAblateQ)) store_tile(acc_q, ss.qk_tile(), bool_constant<Cfg::QkInQ>{});
       } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
         const bool kk_gemm = tid < 128;
         if (kk_gemm || prep_runs(kAblateQ)) {
@@ -413,7 +440,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           warpgroup_commit_batch();
           warpgroup_wait<0>();
           warpgroup_fence_operand(acc);
-          store_tile(acc, kk_gemm ? ss.kk : ss.qk);
+          store_tile(acc, kk_gemm ? ss.kk : ss.qk_tile(), false_type{});
         }
       }
     }
@@ -422,7 +449,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     // the next item's loads run during the solve.
     if (next < args.num_items) {
       const PrepItem upcoming = prep_item<Hqk>(args, next);
-      if (tid == 0) issue_loads(upcoming);
+      if (tid == 0) issue_loads(upcoming, !Cfg::QkInQ);
       prefetch_gates(upcoming);
     }
 
@@ -459,7 +486,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    K K^T row (a broadcast). Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing
       //    32 adjacent columns of a row.
       constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
-      constexpr bool kAwByAll = FQT_PREP_AW_SPLIT && kTensorCoreSolve && G == 1 && Threads == 128;
+      // With one v-head per q/k head, all 128 threads write Aw once the solve is done (two per
+      // column, 32 rows each) instead of the 64 solving ones while the other 64, done with P, wait:
+      // prep 0.203 -> 0.177 ms on 16/16 8192x4 (kernel-notes, fourteenth session).
+      constexpr bool kAwByAll = kTensorCoreSolve && G == 1 && Threads == 128;
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another
@@ -543,8 +573,17 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         const float* gam = ss.gamma[h];
         Elem* pm = static_cast<Elem*>(args.p) + base;
         for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
-          store_p_octet(pm, ss.qk, gam, u / 8, 8 * (u % 8), L, args.scale);
+          store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
         if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
+      }
+      if constexpr (Cfg::QkInQ) {
+        // The last batch's P has read Q K^T: once every P thread is past it, the q tile is free
+        // for the next item (the proxy fence orders these generic reads before the TMA's writes).
+        if (hb + HeadBatch >= G && ptid >= 0) {
+          cutlass::arch::fence_view_async_shared();
+          asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
+          if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next));
+        }
       }
       if constexpr (kAwByAll) {
         __syncthreads();  // X is complete in K K^T's upper triangle

@@ -22,6 +22,9 @@
 #   bash scripts/h200_next_session.sh host-cp-half  on nvidia-h200-x2: the host step alone, then the CP,
 #                                                 host-path, graph and two-per-SM tests and the CP split on
 #                                                 GPU 0, the scoreboard's second half on GPU 1
+#   bash scripts/h200_next_session.sh host-cp-variants  on nvidia-h200-x2: the host step alone, then the CP
+#                                                 and host-path GPU tests and the CP split on GPU 0, the
+#                                                 variants step on GPU 1
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
 #                                                 the GPU tests host-cp-half leaves on GPU 1
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
@@ -115,6 +118,23 @@ case "${1:-tests}" in
     grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
     grep -A12 "^Summary, graph" "$OUT/gpu1/scoreboard.md" | grep flashqla_tune_warmup
     tar -C "$OUT" -czf "$OUT/scoreboard-gpu1.tar.gz" gpu1 && rm -rf "${OUT:?}/gpu1"
+    grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
+  host-cp-variants)
+    # on nvidia-h200-x2, after a CP launch change with prep variants pending: the host step alone (a
+    # quiet host); then at once, on GPU 0 the CP and host-path GPU tests and the CP per-kernel split,
+    # on GPU 1 the prep variants
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+       -k "$CP_HALF_TESTS" --durations=0 > "$OUT/gpu_tests_cp.log" 2>&1
+     CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
+       --seqlens 8192x4 --seqlens 1x8192 --impl flashqla_tune_warmup > "$OUT/kernel_split.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=1 timeout 420 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1 &
+    wait
+    grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 2; grep -E "^FAILED|Error" "$OUT/gpu_tests_cp.log" | head -n 12 | cut -c1-300
+    grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
+    grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 12 | cut -c1-400
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
   half-oracle)
     # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests
@@ -299,5 +319,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
