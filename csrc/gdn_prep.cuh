@@ -1,9 +1,10 @@
 // Chunk preparation kernel: the parts of the chunked GDN forward that are parallel over chunks.
 //
 // Work item: one (chunk, q/k head); it serves the Hv / Hqk v-heads that read this q/k head.
-// Persistent CTAs walk the items (PrepOrder); the next item's q and k tiles load by TMA as soon
-// as this item's GEMMs have read them, so the loads hide behind the solve. Per chunk and v-head an item writes, slot-indexed (see
-// gdn_sequences.cuh):
+// Persistent CTAs walk the items (PrepOrder); the next item's k tile loads by TMA as soon as this
+// item's GEMMs have read it, and its q tile once P is written (with 128 threads Q K^T's fp32 tile
+// reuses the q tile), so the loads hide behind the solve. Per chunk and v-head an item writes,
+// slot-indexed (see gdn_sequences.cuh):
 //   gamma[i]  in-chunk cumulative log-decay; padding rows repeat the last valid value
 //   Aw[i][j]  = e^{gamma_i - gamma_j} A0[i][j] b_j  (j <= i), A0 = (I + strictly_lower(diag(b) K K^T))^{-1}
 //   P[i][j]   = scale e^{gamma_i - gamma_j} (q_i . k_j)  (j <= i)
@@ -12,10 +13,11 @@
 // exponentials (gate-free), then the decay mask is applied. With one v-head per q/k head (G = 1)
 // 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
 // (gdn_prep_solve_mma.cuh). With several v-heads, 128 threads run that solve for each head in
-// turn on threads 0..63 while the others write P; 256 threads solve one column per thread for up
-// to four v-heads at once. Threads is a plan parameter (prep_threads): 128 fits three CTAs per SM
-// and is the default up to three v-heads per q/k head (plan.default_tiles). With ready flags, each
-// finished item is published so the sequential kernel can run beside this one (gdn_fwd_host.cuh).
+// turn on threads 0..63 while the others write P; with one or two v-heads all 128 then write the
+// head's Aw. 256 threads solve one column per thread for up to four v-heads at once. Threads is a
+// plan parameter (prep_threads): 128 fits four CTAs per SM and is the default up to three v-heads
+// per q/k head (plan.default_tiles). With ready flags, each finished item is published so the
+// sequential kernel can run beside this one (gdn_fwd_host.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -476,8 +478,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    the batch's heads one after another by 16 x 16 blocks while threads 64.. write P. X lands
       //    in K K^T's upper triangle, column c of X in row c of the tile (16-byte loads,
       //    conflict-free within each quarter warp), streamed to Aw without holding the column in
-      //    registers; K K^T's lower triangle stays, so each head's X overwrites the previous one's
-      //    once every column of it has been stored. With several heads this took 16/32's prep from
+      //    registers (with one or two heads, by all 128 threads after the solve: kAwByAll); K K^T's
+      //    lower triangle stays, so each head's X overwrites the previous one's once every column
+      //    of it has been stored. With several heads this took 16/32's prep from
       //    0.347 ms (128 threads, a column per thread and head) to 0.298 on 1x32768 and from 0.106
       //    to 0.089 on 1024x8, ahead of 256 threads' 0.335 and 0.121 (kernel-notes, twelfth session).
       //    Otherwise (256 threads, several heads) one column per thread (head h = tid / 64, column
@@ -486,10 +489,12 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    K K^T row (a broadcast). Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing
       //    32 adjacent columns of a row.
       constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
-      // With one v-head per q/k head, all 128 threads write Aw once the solve is done (two per
-      // column, 32 rows each) instead of the 64 solving ones while the other 64, done with P, wait:
-      // prep 0.203 -> 0.177 ms on 16/16 8192x4 (kernel-notes, fourteenth session).
-      constexpr bool kAwByAll = kTensorCoreSolve && G == 1 && Threads == 128;
+      // With one or two v-heads per q/k head, all 128 threads write Aw once a head's solve is done
+      // (two per column, 32 rows each) instead of the 64 solving ones while the other 64, done with
+      // P, wait; with two, one head per round (threads 0..63 solve head h while 64..127 write its
+      // P, then all write its Aw). Prep on 8192x4: 16/16 0.203 -> 0.177 ms, 16/32 0.291 -> 0.284;
+      // with three (8/24) the rounds lost 2-6% (kernel-notes, fourteenth session).
+      constexpr bool kAwByAll = kTensorCoreSolve && Threads == 128 && G <= 2;
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another
@@ -507,89 +512,96 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           }
         };
       };
-      if constexpr (kTensorCoreSolve) {
-        // Exactly threads 0..63 get here: the 64 threads that named barrier 1 inside the solve
-        // waits for. No other thread of the CTA may use barrier 1.
-        static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
-        if (tid < kChunk) {
-          const int c = tid;
-          for (int h = 0; h < nb; ++h) {
-            if (h > 0) solve_mma::sync64();
-            solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-            if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
-          }
-        }
-      } else {
-        const int h = tid / kChunk, c = tid % kChunk;
-        if (h < nb) {
-          const float* bet = ss.beta[h];
-          float x[kChunk];
-          // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
-          // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
-          auto solve_from = [&](auto first_row) {
-            constexpr int I0 = decltype(first_row)::value;
-            CUTE_UNROLL
-            for (int i = 0; i < I0; ++i) x[i] = 0.f;
-            CUTE_UNROLL
-            for (int i = I0; i < kChunk; ++i) {
-              const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
-              float part[4] = {0.f, 0.f, 0.f, 0.f};
-              CUTE_UNROLL
-              for (int j4 = I0; j4 < i; j4 += 4) {
-                const float4 kk = row[j4 / 4];
-                const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
-                CUTE_UNROLL
-                for (int t = 0; t < 4; ++t)
-                  if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
-              }
-              const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
-              x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+      // kAwByAll: one round per head of the batch (the solve, P and Aw of head h); otherwise one
+      // round for the whole batch.
+      for (int round = 0; round < (kAwByAll ? nb : 1); ++round) {
+        const int h_lo = kAwByAll ? round : 0, h_hi = kAwByAll ? round + 1 : nb;
+        if constexpr (kTensorCoreSolve) {
+          // Exactly threads 0..63 get here: the 64 threads that named barrier 1 inside the solve
+          // waits for. No other thread of the CTA may use barrier 1.
+          static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
+          if (tid < kChunk) {
+            const int c = tid;
+            for (int h = h_lo; h < h_hi; ++h) {
+              if (h > h_lo) solve_mma::sync64();
+              solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
+              if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
             }
-          };
-          if constexpr (!prep_runs(kAblateSolve)) {
-            CUTE_UNROLL
-            for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
-          } else if (c >= kChunk / 2) {
-            solve_from(Int<kChunk / 2>{});
-          } else {
-            solve_from(Int<0>{});
           }
-          const auto store_aw = aw_column_store(h, c);
-          CUTE_UNROLL
-          for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
+        } else {
+          const int h = tid / kChunk, c = tid % kChunk;
+          if (h < nb) {
+            const float* bet = ss.beta[h];
+            float x[kChunk];
+            // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
+            // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
+            auto solve_from = [&](auto first_row) {
+              constexpr int I0 = decltype(first_row)::value;
+              CUTE_UNROLL
+              for (int i = 0; i < I0; ++i) x[i] = 0.f;
+              CUTE_UNROLL
+              for (int i = I0; i < kChunk; ++i) {
+                const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+                CUTE_UNROLL
+                for (int j4 = I0; j4 < i; j4 += 4) {
+                  const float4 kk = row[j4 / 4];
+                  const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+                  CUTE_UNROLL
+                  for (int t = 0; t < 4; ++t)
+                    if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+                }
+                const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
+                x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+              }
+            };
+            if constexpr (!prep_runs(kAblateSolve)) {
+              CUTE_UNROLL
+              for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
+            } else if (c >= kChunk / 2) {
+              solve_from(Int<kChunk / 2>{});
+            } else {
+              solve_from(Int<0>{});
+            }
+            const auto store_aw = aw_column_store(h, c);
+            CUTE_UNROLL
+            for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
+          }
         }
-      }
 
-      // 5. P with the decay mask (store_p_octet), and the slot's gamma row. When the solve
-      //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
-      //    128 threads, two on 16/32 with 256), those threads write all of P while the others
-      //    solve, which takes P off the item's critical path; otherwise every thread writes its
-      //    share after its column. P reads only the Q K^T tile and the gates, both final here.
-      const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
-      const int p_threads = Threads - p_first, ptid = tid - p_first;
-      for (int h = 0; h < (prep_runs(kAblatePOut) && prep_runs(kAblateQ) && ptid >= 0 ? nb : 0); ++h) {
-        const int hv = hqk * G + hb + h;
-        const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-        const float* gam = ss.gamma[h];
-        Elem* pm = static_cast<Elem*>(args.p) + base;
-        for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
-          store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
-        if (ptid < kChunk) args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
-      }
-      if constexpr (Cfg::QkInQ) {
-        // The last batch's P has read Q K^T: once every P thread is past it, the q tile is free
-        // for the next item (the proxy fence orders these generic reads before the TMA's writes).
-        if (hb + HeadBatch >= G && ptid >= 0) {
-          cutlass::arch::fence_view_async_shared();
-          asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
-          if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next));
+        // 5. P with the decay mask (store_p_octet), and the slot's gamma row. When the solve
+        //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
+        //    128 threads, two on 16/32 with 256), those threads write all of P while the others
+        //    solve, which takes P off the item's critical path; otherwise every thread writes its
+        //    share after its column. P reads only the Q K^T tile and the gates, both final here.
+        const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
+        const int p_threads = Threads - p_first, ptid = tid - p_first;
+        for (int h = h_lo; h < (prep_runs(kAblatePOut) && prep_runs(kAblateQ) && ptid >= 0 ? h_hi : h_lo); ++h) {
+          const int hv = hqk * G + hb + h;
+          const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+          const float* gam = ss.gamma[h];
+          Elem* pm = static_cast<Elem*>(args.p) + base;
+          for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
+            store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
+          if (ptid < kChunk)
+            args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
         }
-      }
-      if constexpr (kAwByAll) {
-        __syncthreads();  // X is complete in K K^T's upper triangle
-        const int c = tid % kChunk;
-        for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(0, c), tid / kChunk);
-      }
+        if constexpr (Cfg::QkInQ) {
+          // The last batch's P has read Q K^T: once every P thread is past it, the q tile is free
+          // for the next item (the proxy fence orders these generic reads before the TMA's writes).
+          if (hb + HeadBatch >= G && h_hi == nb && ptid >= 0) {
+            cutlass::arch::fence_view_async_shared();
+            asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
+            if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next));
+          }
+        }
+        if constexpr (kAwByAll) {
+          __syncthreads();  // X is complete in K K^T's upper triangle
+          const int c = tid % kChunk;
+          for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(h_lo, c), tid / kChunk);
+          if (h_hi < nb) __syncthreads();  // X read before the next head's solve overwrites it
+        }
+      }  // round
       __syncthreads();
     }
 

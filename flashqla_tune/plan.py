@@ -43,7 +43,7 @@ class TileParams:
     ctas_per_sm: int = 1         # CTAs resident per SM (two let two sequential chains share an SM)
     output_group: int = 0        # 1: a further warp group computes O from the chain's handed-over S and Vn
     prep_threads: int = 256      # the prep kernel's CTA: 256 solves 4 v-heads at once, 128 one at a time
-                                 # on the tensor cores (3 CTAs/SM)
+                                 # on the tensor cores (4 CTAs/SM)
 
     @property
     def consumers(self) -> int:
@@ -167,13 +167,15 @@ def kernel_spec(spec: GDNSpec) -> GDNSpec:
 def default_tiles(spec: GDNSpec) -> TileParams:
     """The untuned tiles for spec, from the H200 tile sweep (docs/gpu-logs/2026-11-30-v5-tile_sweep.json).
     Three pipeline stages: 0.2-2% faster than two on eight of the nine rows timed (0.6% slower on
-    2/8 1024x8). Up to three v-heads per q/k head take the 128-thread prep CTA (three CTAs per SM):
+    2/8 1024x8). Up to three v-heads per q/k head take the 128-thread prep CTA (four CTAs per SM):
     one head would leave a 256-thread CTA's solve to a quarter of its threads (16/16 1x32768
     1.263 -> 1.129 ms), and two or three are solved in turn on the tensor cores while the other
     warp group writes P. Prep times, 256 -> 128 threads (twelfth session,
     docs/gpu-logs/2026-11-30-v12-prep_variants.json), on 1x32768 / 8192x4 / 1024x8 tokens:
     16/32 0.336 -> 0.292, 0.462 -> 0.305, 0.120 -> 0.087 ms; 8/24 0.248 -> 0.218, 0.255 -> 0.229,
-    0.066 -> 0.068; with four (8/32) 0.259 -> 0.261, 0.276 -> 0.271, 0.074 -> 0.079: 256 stay."""
+    0.066 -> 0.068; with four (8/32) 0.259 -> 0.261, 0.276 -> 0.271, 0.074 -> 0.079: 256 stay. (Those
+    128-thread times are from three CTAs per SM; the fourth, since the fourteenth session, made them
+    2-8% faster again on 16/16, 16/32 and 8/24, and four v-heads have not been timed with it.)"""
     return TileParams(stages=3, prep_threads=128 if spec.num_v_heads <= 3 * spec.num_qk_heads else 256)
 
 

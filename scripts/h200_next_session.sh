@@ -25,6 +25,8 @@
 #   bash scripts/h200_next_session.sh host-cp-variants  on nvidia-h200-x2: the host step alone, then the CP
 #                                                 and host-path GPU tests and the CP split on GPU 0, the
 #                                                 variants step on GPU 1
+#   bash scripts/h200_next_session.sh tests-x2     on nvidia-h200-x2: the forward GPU tests in four groups,
+#                                                 two per GPU
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
 #                                                 the GPU tests host-cp-half leaves on GPU 1
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
@@ -136,6 +138,21 @@ case "${1:-tests}" in
     grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
     grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 12 | cut -c1-400
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
+  tests-x2)
+    # on nvidia-h200-x2: the whole forward GPU test module in four pytest processes, two per GPU
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    oracle="test_forward_matches_float64_oracle"
+    groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+            "$oracle and not (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+            "not $oracle and ($CP_HALF_TESTS)" "not $oracle and not ($CP_HALF_TESTS)")
+    for i in 0 1 2 3; do
+      CUDA_VISIBLE_DEVICES=$((i / 2)) timeout "${TESTS_TIMEOUT_S:-450}" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
+        -p no:cacheprovider --durations=0 -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
+    done
+    wait
+    cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
+    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
+    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true ;;  # no failure is not an error
   half-oracle)
     # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests
     # (again: host-cp-half's time limit can cut them), the oracle cases and the forward GPU tests
@@ -319,5 +336,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
