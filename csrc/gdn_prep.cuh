@@ -270,16 +270,11 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   };
   auto issue_loads = [&](const PrepItem& it, bool q_too) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
-    Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(0, it.hqk));
     Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(0, it.hqk));
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
     LoadBarrier::arrive_and_expect_tx(&ss.loaded, Cfg::TileTxBytes);
     if constexpr (prep_runs(kAblateQ)) {
-      if (q_too) {
-        auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        copy(args.tma_q.with(ss.loaded), tq, sq);
-      }
+      if (q_too) issue_q_load(it);
     }
     auto [tk, sk] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     copy(args.tma_k.with(ss.loaded), tk, sk);
