@@ -27,6 +27,10 @@
 #                                                 variants step on GPU 1
 #   bash scripts/h200_next_session.sh tests-x2     on nvidia-h200-x2: the forward GPU tests in four groups,
 #                                                 two per GPU
+#   bash scripts/h200_next_session.sh first-x2     on nvidia-h200-x2: the forward GPU tests (two groups per GPU),
+#                                                 then on GPU 0 the 1024x8 per-kernel split against FlashQLA,
+#                                                 on GPU 1 the prep variants and the CP time per segment length
+#                                                 of the 8192-token rows on 16/16 and 4/16
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
 #                                                 the GPU tests host-cp-half leaves on GPU 1
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
@@ -138,6 +142,36 @@ case "${1:-tests}" in
     grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
     grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 12 | cut -c1-400
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
+  first-x2)
+    # on nvidia-h200-x2, the fifteenth session's first call (docs/README.md's device plan): the
+    # whole forward GPU module (tests-x2's four groups), then on GPU 0 where the 1024x8 rows lose
+    # (per kernel, ours against FlashQLA), on GPU 1 the prep's thread count for four v-heads and
+    # whether another segment length serves both 1x8192 and 8192x4 on 16/16 and 4/16
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    oracle="test_forward_matches_float64_oracle"
+    groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+            "$oracle and not (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+            "not $oracle and ($CP_HALF_TESTS)" "not $oracle and not ($CP_HALF_TESTS)")
+    run_group() {
+      CUDA_VISIBLE_DEVICES=$2 timeout "$3" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
+        -p no:cacheprovider --durations=0 -k "${groups[$1]}" > "$OUT/gpu_tests_$1.log" 2>&1
+    }
+    (run_group 1 0 320 & run_group 3 0 320 & wait
+     CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 2/8 \
+       --heads 16/32 --seqlens 1024x8 --impl flashqla_tune_warmup --impl flashqla > "$OUT/kernel_split.log" 2>&1) &
+    (run_group 0 1 240 & run_group 2 1 240 & wait
+     CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
+     CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -P scripts/cp_profile.py "$OUT" --heads 16/16 --heads 4/16 \
+       --seqlens 1x8192 --seqlens 8192x4 > "$OUT/cp_profile.log" 2>&1) &
+    wait
+    cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
+    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
+    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300
+    grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
+    grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 8 | cut -c1-300
+    tail -n 20 "$OUT/cp_profile.log" | cut -c1-300
+    grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log"
+    true ;;  # the summaries' greps may find nothing
   tests-x2)
     # on nvidia-h200-x2: the whole forward GPU test module in four pytest processes, two per GPU
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
@@ -336,5 +370,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
