@@ -25,7 +25,10 @@ CASES = [Case(16, 16, (32768,)), Case(16, 16, (1024,) * 8), Case(16, 32, (32768,
 # Leaving the Aw output out also drops the solve (its only reader), so the Aw output alone is
 # stage(no_aw_out) - stage(no_solve). no_gemms changes register allocation (24 B of spills on
 # 2/8), so its difference is approximate. no_q_p is the prep a sequential kernel that formed P
-# itself would need (no q tile, no P): what moving P out of the prep can save at most.
+# itself would need (no q tile, no P): what moving P out of the prep can save at most. Since the
+# 128-thread prep keeps Q K^T in the q tile (four CTAs per SM), no_q_p runs at three CTAs per SM
+# there, and no_solve's column solve spills under the 128-register cap (172 B on 16/16): on
+# 128-thread plans those two differences mix in an occupancy or spill change.
 VARIANTS = {"full": 0, "no_solve": 2, "no_aw_out": 4, "no_p_out": 8, "no_q_p": 24, "walk_only": 31}
 REPEATS = 5
 
