@@ -105,6 +105,22 @@ score_half() {
 # The GPU tests host-cp-half runs beside the scoreboard's second half; half-oracle runs the rest
 # (and the CP ones again, since host-cp-half's time limit can cut them).
 CP_HALF_TESTS="context_parallel or forced_short or cpp_host or graph or two_ctas or malformed or no_sequence or int32 or 16_byte"
+# The whole forward module in four groups of similar length (first-x2, tests-x2): the oracle cases
+# in two, the other tests in two. forward_group I GPU TIMEOUT_S runs group I on one GPU;
+# collect_forward_groups joins their logs into gpu_tests.log and prints the counts and failures.
+ORACLE="test_forward_matches_float64_oracle"
+FORWARD_GROUPS=("$ORACLE and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+                "$ORACLE and not (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+                "not $ORACLE and ($CP_HALF_TESTS)" "not $ORACLE and not ($CP_HALF_TESTS)")
+forward_group() {
+  CUDA_VISIBLE_DEVICES=$2 timeout "$3" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
+    -p no:cacheprovider --durations=0 -k "${FORWARD_GROUPS[$1]}" > "$OUT/gpu_tests_$1.log" 2>&1
+}
+collect_forward_groups() {
+  cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
+  grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
+}
 case "${1:-tests}" in
   host-cp-half)
     # on nvidia-h200-x2, after a CP launch change: the host step alone (a quiet host); then at once,
@@ -148,25 +164,15 @@ case "${1:-tests}" in
     # (per kernel, ours against FlashQLA), on GPU 1 the prep's thread count for four v-heads and
     # whether another segment length serves both 1x8192 and 8192x4 on 16/16 and 4/16
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    oracle="test_forward_matches_float64_oracle"
-    groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
-            "$oracle and not (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
-            "not $oracle and ($CP_HALF_TESTS)" "not $oracle and not ($CP_HALF_TESTS)")
-    run_group() {
-      CUDA_VISIBLE_DEVICES=$2 timeout "$3" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
-        -p no:cacheprovider --durations=0 -k "${groups[$1]}" > "$OUT/gpu_tests_$1.log" 2>&1
-    }
-    (run_group 1 0 320 & run_group 3 0 320 & wait
+    (forward_group 1 0 320 & forward_group 3 0 320 & wait
      CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 2/8 \
        --heads 16/32 --seqlens 1024x8 --impl flashqla_tune_warmup --impl flashqla > "$OUT/kernel_split.log" 2>&1) &
-    (run_group 0 1 240 & run_group 2 1 240 & wait
+    (forward_group 0 1 240 & forward_group 2 1 240 & wait
      CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
      CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -P scripts/cp_profile.py "$OUT" --heads 16/16 --heads 4/16 \
        --seqlens 1x8192 --seqlens 8192x4 > "$OUT/cp_profile.log" 2>&1) &
     wait
-    cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
-    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
-    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300
+    collect_forward_groups
     grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
     grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 8 | cut -c1-300
     tail -n 20 "$OUT/cp_profile.log" | cut -c1-300
@@ -175,18 +181,9 @@ case "${1:-tests}" in
   tests-x2)
     # on nvidia-h200-x2: the whole forward GPU test module in four pytest processes, two per GPU
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    oracle="test_forward_matches_float64_oracle"
-    groups=("$oracle and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
-            "$oracle and not (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
-            "not $oracle and ($CP_HALF_TESTS)" "not $oracle and not ($CP_HALF_TESTS)")
-    for i in 0 1 2 3; do
-      CUDA_VISIBLE_DEVICES=$((i / 2)) timeout "${TESTS_TIMEOUT_S:-450}" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
-        -p no:cacheprovider --durations=0 -k "${groups[$i]}" > "$OUT/gpu_tests_$i.log" 2>&1 &
-    done
+    for i in 0 1 2 3; do forward_group "$i" $((i / 2)) "${TESTS_TIMEOUT_S:-450}" & done
     wait
-    cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
-    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
-    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true ;;  # no failure is not an error
+    collect_forward_groups ;;
   half-oracle)
     # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests
     # (again: host-cp-half's time limit can cut them), the oracle cases and the forward GPU tests
