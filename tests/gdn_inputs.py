@@ -6,7 +6,15 @@ import torch.nn.functional as F
 
 from flashqla_tune.bench.accuracy import rel_l2  # re-exported: one relative L2 for every test
 
-__all__ = ["gate_values", "make_inputs", "rel_l2"]
+__all__ = ["gate_values", "make_inputs", "off_16_byte_boundary", "rel_l2"]
+
+
+def off_16_byte_boundary(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t, on t's device, that starts one element past a 16-byte boundary: an
+    address TMA refuses (runtime.tma_ready, the C++ host path's fallback)."""
+    view = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
 
 
 def make_inputs(B=1, T=100, Hqk=2, Hv=4, K=16, V=8, *, gate="mixed", beta_max=1.0, seed=0,

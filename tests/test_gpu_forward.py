@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from gdn_inputs import gate_values, rel_l2  # noqa: E402
+from gdn_inputs import gate_values, off_16_byte_boundary, rel_l2  # noqa: E402
 
 from flashqla_tune import host_path, ops, runtime  # noqa: E402
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked  # noqa: E402
@@ -265,12 +265,7 @@ def test_q_k_v_off_a_16_byte_boundary_give_what_aligned_ones_give():
     refuses: the C++ host path, live for the signature, hands such calls to the Python path, which
     copies them; the result is bitwise what the same values on a boundary give."""
     inp = make_case(15, [300, 77, 1000], 2, 8, torch.bfloat16, "mixed", True, False)
-    shifted = []
-    for name in ("q", "k", "v"):
-        t = inp[name]
-        view = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEV)[1:].view(t.shape).copy_(t)
-        assert view.is_contiguous() and view.data_ptr() % 16 != 0
-        shifted.append(view)
+    shifted = [off_16_byte_boundary(inp[name]) for name in ("q", "k", "v")]
     kw = dict(initial_state=inp["initial_state"], output_final_state=True, cu_seqlens=inp["cu_seqlens"])
     host_path.extension()
     with torch.no_grad():

@@ -13,6 +13,8 @@ import warnings
 import pytest
 import torch
 
+from gdn_inputs import off_16_byte_boundary
+
 from flashqla_tune import abi, environment, host_path, warmup as warmup_tables
 from flashqla_tune.plan import default_plan
 from flashqla_tune.render import csrc_dir
@@ -98,14 +100,6 @@ def inputs(B, T, dtype=torch.bfloat16):
             torch.randn(B, T, HV, D, dtype=dtype), -torch.rand(B, T, HV), torch.rand(B, T, HV))
 
 
-def off_boundary(t):
-    """A contiguous copy of t that starts one element past a 16-byte boundary."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
-    view = flat.view(t.shape).copy_(t)
-    assert view.is_contiguous() and view.data_ptr() % 16 != 0
-    return view
-
-
 def call(ext, ctx, q, k, v, g, beta, cu=None, cu_cpu=None, h0=None, scale=None, final=True, l2norm=False, stream=0x55):
     return ext.forward(ctx, q, k, v, g, beta, cu, cu_cpu, h0, scale, final, l2norm, stream)
 
@@ -176,7 +170,7 @@ def test_calls_it_does_not_take_fall_back_without_launching(ext, double):
         "fp16 q, k, v for a bf16 plan": (q.half(), k.half(), v.half(), g, beta, cu),
         "bf16 gates (the Python path upcasts)": (q, k, v, g.bfloat16(), beta, cu),
         "strided v": (q, k, v.transpose(2, 3).contiguous().transpose(2, 3), g, beta, cu),
-        "k off a 16-byte boundary (TMA)": (q, off_boundary(k), v, g, beta, cu),
+        "k off a 16-byte boundary (TMA)": (q, off_16_byte_boundary(k), v, g, beta, cu),
         "other heads": (q[:, :, :1].contiguous(), k[:, :, :1].contiguous(), v, g, beta, cu),
         "grad-requiring q": (grad_q, k, v, g, beta, cu),
         "batch rows with offsets": (*inputs(2, 64), torch.tensor([0, 64])),

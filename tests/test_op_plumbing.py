@@ -9,6 +9,8 @@ import math
 import pytest
 import torch
 
+from gdn_inputs import off_16_byte_boundary
+
 from flashqla_tune import ops, runtime
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
@@ -86,7 +88,7 @@ def test_q_k_v_off_a_16_byte_boundary_reach_the_library_as_aligned_copies(record
     copied (same values) instead of handing the driver an address it refuses."""
     lib, plan = recorded
     q = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
-    k = torch.empty(q.numel() + 1, dtype=torch.bfloat16)[1:].view(q.shape).copy_(torch.randn_like(q))
+    k = off_16_byte_boundary(torch.randn_like(q))
     v = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
     g = torch.zeros(1, 64, 8)
     assert k.is_contiguous() and k.data_ptr() % 16 != 0
