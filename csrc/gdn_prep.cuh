@@ -66,7 +66,7 @@ constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 // within two-way bank conflicts as with the padding.
 template <bool InQ>
 __device__ __forceinline__ int qk_offset(int i, int j) {
-  if constexpr (InQ) return i * kChunk + ((((j >> 2) ^ (i & 7))) << 2) + (j & 3);
+  if constexpr (InQ) return i * kChunk + (((j >> 2) ^ (i & 7)) << 2) + (j & 3);
   else return i * kPrepPad + j;
 }
 
