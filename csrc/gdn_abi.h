@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FQT_ABI_VERSION 3
+#define FQT_ABI_VERSION 4
 
 // Libraries build with -fvisibility=hidden (flashqla_tune/build.py) and export only these
 // functions. Hidden, the launcher's per-device static state stays private to each library:
@@ -60,6 +60,9 @@ typedef struct FqtGdnFwdArgs {
   const int32_t* segment_chunks;
   int64_t max_segments;
   float log_eps;
+  // With warmup: how many of its entries are -1. Those heads chain exactly on every input (a
+  // failed guard adds more), so the exact chain's launch sizes its column slices from it.
+  int32_t exact_heads;
 } FqtGdnFwdArgs;
 
 // ABI version the library was built against (FQT_ABI_VERSION).

@@ -3,13 +3,15 @@
 // cu_seqlens, the per-length segment table and the per-v-head warm-up table, so a call needs no
 // host synchronisation and stays capturable in a CUDA graph.
 //
-// Per call, after the prep kernel (gdn_fwd_host.cuh launches them in this order):
-//   cp_segments_kernel  one CTA: segment counts per sequence (L from the sequence's own length),
-//                       their prefix sum, and segment -> (sequence, index). Only for calls of more
-//                       than kFusedSegmentSeqs sequences; otherwise each cp_jobs_kernel CTA scans
-//                       the few sequences itself, which costs less than a launch (about 5 us of
-//                       host time on the H200's hosts).
-//   cp_jobs_kernel      per (segment, v-head): the forward job of the segment and, at each
+// Per call, around the prep kernel (gdn_fwd_host.cuh launches them in this order):
+//   cp_segments_kernel  (before the prep) one CTA: segment counts per sequence (L from the
+//                       sequence's own length), their prefix sum, and segment -> (sequence, index).
+//                       Only for calls of more than kFusedSegmentSeqs sequences; otherwise each
+//                       cp_jobs_kernel CTA scans the few sequences itself, which costs less than a
+//                       launch (about 5 us of host time on the H200's hosts).
+//   cp_jobs_kernel      the prep's programmatic dependent: it reads only the call's inputs, so it
+//                       runs on the SMs the prep's tail frees and leaves the critical path.
+//                       Per (segment, v-head): the forward job of the segment and, at each
 //                       boundary, either a warm-up window (n_h chunks from a zero state, kept only
 //                       if the guard holds on this input) or, for exact boundaries, the previous
 //                       segment's H (end state from zero) and M (transition) jobs.
@@ -253,6 +255,10 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
     a.jobs_state[2 * S * Hv + row] = window;
     a.jobs_fwd[row] = fwd;
     a.exact[row] = exact ? 1 : 0;
+    // This grid runs as the prep's programmatic dependent, beside the prep's tail (it reads only
+    // the call's inputs). One CTA waits for the prep before it exits, so that this grid completes
+    // after the prep: the state pass, launched next on the stream, reads the output of both.
+    if (z == 0 && hv == 0) wait_prerequisite_grids();
   }
 }
 
@@ -260,7 +266,7 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
 // order. S_j = M_{j-1} S_{j-1} + H_{j-1}, where S_{j-1} is whatever segment j-1 starts from (the
 // sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
 // CTAs of one head need no ordering between them, and each output element sums over m in the same
-// order whatever Columns is (bitwise the same for 8 or 16).
+// order whatever Columns is (bitwise the same for 4, 8 or 16).
 // The chain is a latency-bound walk. Each step's M (64 KB fp32) goes to shared memory by 16-byte
 // cp.async while the previous step computes (two buffers), and the step's H comes into registers
 // during the previous step too. Shared rows keep their 16-byte chunks XOR-swizzled by the row
@@ -283,7 +289,7 @@ __device__ __forceinline__ int chain_swizzled(int row, int col) {
 template <int Hv, int K, int V, bool VFirst, int Columns>
 __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
   static_assert(2 * K == kChainThreads && K == V && K % 32 == 0, "the chain kernel assumes K = V = 128");
-  static_assert(Columns % 8 == 0, "each thread's half of the columns is read as float4");
+  static_assert(Columns == 4 || Columns % 8 == 0, "each thread's half of the columns is read as float2 or float4");
   constexpr int kHalf = Columns / 2;
   constexpr int64_t kState = int64_t(K) * V;
   extern __shared__ __align__(16) float chain_smem[];
@@ -352,14 +358,20 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     __syncthreads();  // M and prev are in shared memory
     const float* mb = m_buf + buf * K * K;
     auto accumulate = [&](int mm, float w) {  // acc += M(kk, mm) * prev(mm, my columns), m in order
-      const float4* p4 = reinterpret_cast<const float4*>(prev + mm * Columns + c0);  // a broadcast per warp
+      if constexpr (kHalf == 2) {
+        const float2 x = *reinterpret_cast<const float2*>(prev + mm * Columns + c0);  // a broadcast per warp
+        acc[0] = fmaf(w, x.x, acc[0]);
+        acc[1] = fmaf(w, x.y, acc[1]);
+      } else {
+        const float4* p4 = reinterpret_cast<const float4*>(prev + mm * Columns + c0);
 #pragma unroll
-      for (int q = 0; q < kHalf / 4; ++q) {
-        const float4 x = p4[q];
-        acc[4 * q] = fmaf(w, x.x, acc[4 * q]);
-        acc[4 * q + 1] = fmaf(w, x.y, acc[4 * q + 1]);
-        acc[4 * q + 2] = fmaf(w, x.z, acc[4 * q + 2]);
-        acc[4 * q + 3] = fmaf(w, x.w, acc[4 * q + 3]);
+        for (int q = 0; q < kHalf / 4; ++q) {
+          const float4 x = p4[q];
+          acc[4 * q] = fmaf(w, x.x, acc[4 * q]);
+          acc[4 * q + 1] = fmaf(w, x.y, acc[4 * q + 1]);
+          acc[4 * q + 2] = fmaf(w, x.z, acc[4 * q + 2]);
+          acc[4 * q + 3] = fmaf(w, x.w, acc[4 * q + 3]);
+        }
       }
     };
     if constexpr (VFirst) {  // shared row mm is M's column mm: a scalar read down it

@@ -1,7 +1,7 @@
 // Host side of the GDN forward: workspace layout, TMA descriptors, launches. Never synchronises.
 //
-// Two launches per call without context parallelism (gdn_fwd_cp_launch has five, six with more
-// than kFusedSegmentSeqs sequences): the prep kernel
+// Two launches per call without context parallelism (five with it, six with more than
+// kFusedSegmentSeqs sequences: gdn_cp.cuh lists them): the prep kernel
 // (parallel over chunks), then the sequential kernel as its programmatic dependent (PDL). When the
 // sequential grid leaves most SMs idle (few heads, few long sequences), the two overlap: the prep
 // runs on the idle SMs in chunk order and publishes each item, and the sequential kernel consumes
@@ -85,45 +85,86 @@ cudaError_t launch_programmatic(Kernel kernel, const FwdParams<Cfg>& fp, int64_t
   return cudaLaunchKernelEx(&config, kernel, fp);
 }
 
-// After the prep: plan the segments and jobs, the state pass, the exact chain, the forward pass.
+// The context-parallel planning kernels' arguments: the call's inputs and tables, and where
+// their plan goes in the workspace.
 template <class Cfg>
-cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* base, FwdParams<Cfg> fp,
-                              DeviceSetup& setup, cudaStream_t stream) {
-  const int sm_count = setup.sm_count;
+CpPlanArgs cp_plan_args(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* base) {
+  return CpPlanArgs{a.cu_seqlens,
+                    a.segment_chunks,
+                    a.warmup,
+                    a.g,
+                    a.beta,
+                    a.k,
+                    a.initial_state,
+                    a.final_state,
+                    reinterpret_cast<int32_t*>(base + ws.seg_seq),
+                    reinterpret_cast<int32_t*>(base + ws.seg_index),
+                    reinterpret_cast<int64_t*>(base + ws.seq_first),
+                    reinterpret_cast<int32_t*>(base + ws.seq_count),
+                    reinterpret_cast<CpJob*>(base + ws.jobs_state),
+                    reinterpret_cast<CpJob*>(base + ws.jobs_fwd),
+                    reinterpret_cast<int32_t*>(base + ws.exact),
+                    reinterpret_cast<float*>(base + ws.boundary),
+                    reinterpret_cast<float*>(base + ws.h_end),
+                    reinterpret_cast<float*>(base + ws.m_end),
+                    a.total_tokens,
+                    a.num_seqs,
+                    ws.segments,
+                    a.log_eps,
+                    a.use_qk_l2norm,
+                    a.num_seqs <= kFusedSegmentSeqs ? 1 : 0};
+}
+
+// Column slices of the exact chain, one CTA each per (sequence, v-head). Only exact heads' CTAs
+// work (the others return at once), and a narrower slice walks the chain faster: each step's
+// 128 x 128 fp32 product has fewer columns per thread. The narrowest width is taken whose working
+// CTAs, counted from the table's exact heads, fit on the SMs at once. On the H200 that rule picks
+// the fastest of the three widths, or one within 1%, on all 12 rows timed (two builds of the same
+// width differed by up to 1.7%). On 16/16 1x8192 it takes 4 columns: the chain 20 us against 30
+// at 16, the call 0.166 ms against 0.178 (docs/kernel-notes.md, fifteenth session).
+#ifndef FQT_CHAIN_COLUMNS
+#define FQT_CHAIN_COLUMNS 0  // 0: by the rule above; 4, 8 or 16 forces a width (measurement only)
+#endif
+template <int HeadV>
+int chain_columns(int64_t num_seqs, int32_t exact_heads, int sm_count) {
+  if (FQT_CHAIN_COLUMNS != 0) return FQT_CHAIN_COLUMNS;
+  const int64_t heads = exact_heads > 0 ? exact_heads : 1;  // a failed guard may chain any head
+  for (int columns : {4, 8})
+    if (num_seqs * heads * (HeadV / columns) <= sm_count) return columns;
+  return 16;
+}
+
+#ifndef FQT_JOBS_BESIDE_PREP
+#define FQT_JOBS_BESIDE_PREP 1  // 0: the jobs kernel after the prep, in plain stream order (measurement only)
+#endif
+
+template <class Cfg, int Columns>
+cudaError_t launch_chain(const CpPlanArgs& pa, cudaStream_t stream) {
+  cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, Columns>
+      <<<dim3(unsigned(pa.num_seqs), Cfg::Hv, Cfg::HeadV / Columns), kChainThreads,
+         chain_smem_bytes<Cfg::HeadK, Columns>(), stream>>>(pa);
+  return cudaGetLastError();
+}
+
+// After the prep: the jobs (beside the prep's tail), the state pass, the exact chain, the forward
+// pass. The segments kernel, when the call needs it, ran before the prep.
+template <class Cfg>
+cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const CpPlanArgs& pa, FwdParams<Cfg> fp, int sm_count,
+                              cudaStream_t stream) {
   static_assert(Cfg::HeadK == Cfg::HeadV, "a transition job (S = I) needs K = V");
-  const int64_t S = ws.segments;
-  CpPlanArgs pa{a.cu_seqlens,
-                a.segment_chunks,
-                a.warmup,
-                a.g,
-                a.beta,
-                a.k,
-                a.initial_state,
-                a.final_state,
-                reinterpret_cast<int32_t*>(base + ws.seg_seq),
-                reinterpret_cast<int32_t*>(base + ws.seg_index),
-                reinterpret_cast<int64_t*>(base + ws.seq_first),
-                reinterpret_cast<int32_t*>(base + ws.seq_count),
-                reinterpret_cast<CpJob*>(base + ws.jobs_state),
-                reinterpret_cast<CpJob*>(base + ws.jobs_fwd),
-                reinterpret_cast<int32_t*>(base + ws.exact),
-                reinterpret_cast<float*>(base + ws.boundary),
-                reinterpret_cast<float*>(base + ws.h_end),
-                reinterpret_cast<float*>(base + ws.m_end),
-                a.total_tokens,
-                a.num_seqs,
-                S,
-                a.log_eps,
-                a.use_qk_l2norm,
-                a.num_seqs <= kFusedSegmentSeqs ? 1 : 0};
-  cudaError_t err = cudaSuccess;
-  if (!pa.fused_segments) {  // many sequences: one CTA plans them all first
-    cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(pa);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  }
-  cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>
-      <<<dim3(unsigned(S), Cfg::Hv), kGuardThreads, 0, stream>>>(pa);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const int64_t S = pa.num_segments;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = FQT_JOBS_BESIDE_PREP;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(S), Cfg::Hv);
+  config.blockDim = dim3(kGuardThreads);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  cudaError_t err =
+      cudaLaunchKernelEx(&config, cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>, pa);
+  if (err != cudaSuccess) return err;
   fp.initial_state = nullptr;
   fp.final_state = nullptr;
   fp.ready = nullptr;
@@ -134,18 +175,13 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, 
 
   // The chain needs the state pass. The forward pass is the chain's programmatic dependent: its
   // unchained half (grid z < S) runs beside the chain, its chained half waits for it in the kernel.
-  // Narrow column slices put more SMs on the chain while they fit in one wave (the results are
-  // the same bit for bit).
-  if (a.num_seqs * Cfg::Hv * (Cfg::HeadV / 8) <= sm_count) {
-    cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 8>
-        <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 8), kChainThreads, chain_smem_bytes<Cfg::HeadK, 8>(),
-           stream>>>(pa);
-  } else {
-    cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 16>
-        <<<dim3(unsigned(a.num_seqs), Cfg::Hv, Cfg::HeadV / 16), kChainThreads, chain_smem_bytes<Cfg::HeadK, 16>(),
-           stream>>>(pa);
+  // The results are the same bit for bit whatever the chain's column width.
+  switch (chain_columns<Cfg::HeadV>(a.num_seqs, a.exact_heads, sm_count)) {
+    case 4: err = launch_chain<Cfg, 4>(pa, stream); break;
+    case 8: err = launch_chain<Cfg, 8>(pa, stream); break;
+    default: err = launch_chain<Cfg, 16>(pa, stream); break;
   }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if (err != cudaSuccess) return err;
   fp.jobs = pa.jobs_fwd;
   fp.job_pass = kUnchainedThenChained;
   return launch_programmatic<Cfg>(gdn_fwd_kernel<Cfg>, fp, 2 * S, stream);
@@ -187,7 +223,10 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     }
     if (e == cudaSuccess)  // the context-parallel state pass
       e = cudaFuncSetAttribute(gdn_fwd_kernel<Cfg, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SmemBytes);
-    if (e == cudaSuccess)  // the exact chain's two column widths
+    if (e == cudaSuccess)  // the exact chain's three column widths
+      e = cudaFuncSetAttribute(cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 4>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, chain_smem_bytes<Cfg::HeadK, 4>());
+    if (e == cudaSuccess)
       e = cudaFuncSetAttribute(cp_chain_kernel<Cfg::Hv, Cfg::HeadK, Cfg::HeadV, Cfg::StateVFirst, 8>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, chain_smem_bytes<Cfg::HeadK, 8>());
     if (e == cudaSuccess)
@@ -250,6 +289,14 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
     prep_ctas = int64_t(sm_count) * prep_ctas_per_sm;
   }
   prep_ctas = prep_ctas < pa.num_items ? prep_ctas : pa.num_items;
+  CpPlanArgs cpa{};
+  if (cp) {
+    cpa = cp_plan_args<Cfg>(a, ws, base);
+    if (!cpa.fused_segments) {  // many sequences: one CTA plans them all first (it reads only inputs)
+      cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(cpa);
+      if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    }
+  }
   prep<<<unsigned(prep_ctas > 0 ? prep_ctas : 1), PrepCfg::Threads, PrepCfg::SmemBytes, stream>>>(pa);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
@@ -275,7 +322,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       slots,
       a.scale,
   };
-  if (cp) return gdn_fwd_cp_launch<Cfg>(a, ws, base, fp, setup, stream);
+  if (cp) return gdn_fwd_cp_launch<Cfg>(a, cpa, fp, sm_count, stream);
   if constexpr (TwoPerSmConfig<Cfg>::exists) {
     // More chains than SMs: two per SM in one wave instead of two waves (no prep overlap then).
     using Two = typename TwoPerSmConfig<Cfg>::type;

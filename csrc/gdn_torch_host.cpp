@@ -63,6 +63,7 @@ struct Context {
   double log_eps = 0.0;
   std::vector<int64_t> lengths, top_extra, top_shortest;  // warmup.SegmentBound
   int64_t max_segments = 0, scratch_limit_bytes = 0, bytes_per_segment = 0;
+  int32_t exact_heads = 0;  // the warm-up table's -1 entries (FqtGdnFwdArgs.exact_heads)
 
   bool splits() const {
     return warmup_ptr != 0 && std::any_of(lengths.begin(), lengths.end(), [](int64_t n) { return n != 0; });
@@ -206,6 +207,7 @@ py::object forward(const Context& c, const at::Tensor& q, const at::Tensor& k, c
   a.segment_chunks = cp ? reinterpret_cast<const int32_t*>(c.segment_chunks_ptr) : nullptr;
   a.max_segments = segments;
   a.log_eps = cp ? float(c.log_eps) : 0.f;
+  a.exact_heads = cp ? c.exact_heads : 0;
   const int32_t code = c.launch(&a, reinterpret_cast<void*>(stream));
   return py::make_tuple(o, output_final_state ? py::cast(final_state) : py::none(), code);
 }
@@ -219,7 +221,7 @@ Context make_context(int64_t launch, int64_t workspace_bytes, const at::Device& 
                      int64_t hqk, int64_t hv, int64_t head_k, int64_t head_v, bool state_v_first, int64_t warmup_ptr,
                      int64_t segment_chunks_ptr, double log_eps, std::vector<int64_t> lengths,
                      std::vector<int64_t> top_extra, std::vector<int64_t> top_shortest, int64_t max_segments,
-                     int64_t scratch_limit_bytes, int64_t bytes_per_segment) {
+                     int64_t scratch_limit_bytes, int64_t bytes_per_segment, int64_t exact_heads) {
   TORCH_CHECK(launch != 0 && workspace_bytes != 0, "a context needs the library's entry points");
   TORCH_CHECK(warmup_ptr == 0 || (lengths.size() == kSegmentBuckets && top_extra.size() == kSegmentBuckets - 1 &&
                                   top_shortest.size() == kSegmentBuckets - 1),
@@ -243,6 +245,7 @@ Context make_context(int64_t launch, int64_t workspace_bytes, const at::Device& 
   c.max_segments = max_segments;
   c.scratch_limit_bytes = scratch_limit_bytes;
   c.bytes_per_segment = bytes_per_segment;
+  c.exact_heads = int32_t(exact_heads);
   return c;
 }
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class FqtGdnFwdArgs(ctypes.Structure):
@@ -32,6 +32,7 @@ class FqtGdnFwdArgs(ctypes.Structure):
         ("segment_chunks", ctypes.c_void_p),
         ("max_segments", ctypes.c_int64),
         ("log_eps", ctypes.c_float),
+        ("exact_heads", ctypes.c_int32),
     ]
 
 

@@ -190,7 +190,7 @@ def remember(key, plan, library, tables, device: torch.device) -> None:
         spec.num_qk_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.state_layout == "vk",
         tables.warmup.data_ptr(), tables.segment_chunks.data_ptr(), tables.log_eps, list(bound.lengths),
         list(bound.top_extra), list(bound.top_shortest), MAX_SEGMENTS, CP_SCRATCH_LIMIT_BYTES,
-        segment_state_bytes(spec.num_v_heads, spec.head_k_dim, spec.head_v_dim))
+        segment_state_bytes(spec.num_v_heads, spec.head_k_dim, spec.head_v_dim), tables.exact_heads)
     with _lock:
         _contexts.setdefault(key, _Context(handle, library, tables))
 

@@ -130,7 +130,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=schedule,
         warmup=None if cp is None else cp.warmup.data_ptr(),
         segment_chunks=None if cp is None else cp.segment_chunks.data_ptr(), max_segments=segments,
-        log_eps=0.0 if cp is None else cp.log_eps)
+        log_eps=0.0 if cp is None else cp.log_eps, exact_heads=0 if cp is None else cp.exact_heads)
     lib.launch(args, current_stream_handle(v.device))
     return o, final
 

@@ -40,6 +40,7 @@ class WarmupTables:
     lengths: tuple[int, ...]      # the same on the host
     log_eps: float
     bound: SegmentBound           # a call's segment bound from (T, N)
+    exact_heads: int              # entries of -1 (FqtGdnFwdArgs.exact_heads)
 
     @property
     def splits(self) -> bool:
@@ -177,7 +178,7 @@ def _make_tables(values: tuple[int, ...], plan: KernelPlan, device: torch.device
     lengths = check_segment_table(lengths) if lengths is not None else segment_lengths(values, plan, sm_count(device))
     return WarmupTables(torch.tensor(values, dtype=torch.int32, device=device),
                         torch.tensor(lengths, dtype=torch.int32, device=device), tuple(lengths), math.log(eps),
-                        SegmentBound.of(tuple(lengths)))
+                        SegmentBound.of(tuple(lengths)), values.count(-1))
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@
 #                                                 then on GPU 0 the 1024x8 per-kernel split against FlashQLA,
 #                                                 on GPU 1 the prep variants and the CP time per segment length
 #                                                 of the 8192-token rows on 16/16 and 4/16
+#   bash scripts/h200_next_session.sh cp-variants-x2   on nvidia-h200-x2: scripts/cp_variants.py (the
+#                                                 chain's column widths, the jobs kernel beside the
+#                                                 prep) on GPU 0, the forward GPU tests on both
+#   bash scripts/h200_next_session.sh pair-score-cp    on nvidia-h200-x2: both scoreboard halves, then the
+#                                                 host step and the CP GPU tests
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
 #                                                 the GPU tests host-cp-half leaves on GPU 1
 #   bash scripts/h200_next_session.sh host        the host-overhead split of an eager call, FLA and FlashQLA beside it
@@ -178,6 +183,19 @@ case "${1:-tests}" in
     tail -n 20 "$OUT/cp_profile.log" | cut -c1-300
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log"
     true ;;  # the summaries' greps may find nothing
+  cp-variants-x2)
+    # on nvidia-h200-x2 (carry .whl-bench and .carry, where scripts/cp_variants.py's builds may
+    # be cached: FLASHQLA_TUNE_CACHE=.carry/fqt-cache): on GPU 0 the CP launch variants (the
+    # chain's column widths, the jobs kernel beside the prep), then half the forward GPU module;
+    # on GPU 1 the other half
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1
+     forward_group 1 0 330 & forward_group 3 0 330 & wait) &
+    (forward_group 0 1 300 & forward_group 2 1 300 & wait) &
+    wait
+    collect_forward_groups
+    grep -E "graph_ms|worst|Error" "$OUT/cp_variants.log" | cut -c1-300
+    true ;;
   tests-x2)
     # on nvidia-h200-x2: the whole forward GPU test module in four pytest processes, two per GPU
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
@@ -263,6 +281,22 @@ case "${1:-tests}" in
     for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done
     # the device returns at most 8 files a call: each half as one archive
     for gpu in 0 1; do tar -C "$OUT" -czf "$OUT/scoreboard-gpu$gpu.tar.gz" "gpu$gpu" && rm -rf "${OUT:?}/gpu$gpu"; done ;;
+  pair-score-cp)
+    # on nvidia-h200-x2: pair-score, then on GPU 0 the host step and on GPU 1 the CP GPU tests
+    # (after a change of the CP launch whose kernels the whole module has already passed)
+    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
+    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    wait
+    CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" > "$OUT/host_overhead.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+      -k "context_parallel or forced_short" > "$OUT/gpu_tests.log" 2>&1 &
+    wait
+    tail -n 2 "$OUT/host_overhead.log" | cut -c1-600
+    grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp " | tail -n 2
+    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300
+    for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done
+    for gpu in 0 1; do tar -C "$OUT" -czf "$OUT/scoreboard-gpu$gpu.tar.gz" "gpu$gpu" && rm -rf "${OUT:?}/gpu$gpu"; done
+    true ;;
   pair-final)
     # the device returns at most 8 files: the three test groups' logs stay only in gpu_tests.log
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1

@@ -476,11 +476,13 @@ CP_CASES = {
     "weak_decay_guard_fails": ([8192], 2, 8, torch.bfloat16, "weak", True, False, False, 1.0, [2] * 8, 8),
     "all_exact_fp16": ([6000, 3000], 2, 8, torch.float16, "mixed", True, False, False, 1.0, [-1] * 8, 16),
     "state_v_first": ([8192, 300], 2, 8, torch.bfloat16, "mixed", True, True, False, 1.0, MIXED_2_8, 8),
-    # one sequence: the chain's 8-column CTAs with the [V, K] layout (two sequences take 16)
+    # one sequence with two exact heads: the chain's 4-column CTAs with the [V, K] layout (the
+    # width follows the sequences and exact heads, csrc/gdn_fwd_host.cuh chain_columns:
+    # l2norm_in_kernel's eight exact heads take 8 columns, all_exact_fp16's two sequences 16)
     "state_v_first_one_sequence": ([8192 + 17], 2, 8, torch.bfloat16, "strong", True, True, False, 1.0,
-                                   [-1, 3, -1, 3, -1, 3, -1, 3], 4),
+                                   [-1, 3, 3, 3, -1, 3, 3, 3], 4),
     "l2norm_in_kernel": ([8192], 4, 16, torch.bfloat16, "mixed", True, False, True, 1.0,
-                         [-1 if h % 4 == 0 else 4 for h in range(16)], 16),
+                         [-1 if h % 2 == 0 else 4 for h in range(16)], 16),
     "k_too_long_no_warmup": ([8192], 2, 8, torch.bfloat16, "strong", False, False, False, 1.6, [1] * 8, 8),
 }
 

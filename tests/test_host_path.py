@@ -80,7 +80,7 @@ def address(lib, name):
 
 def tables_of(lengths, table=(8, -1, 8, 8)):
     return WarmupTables(torch.tensor(table, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
-                        tuple(lengths), -9.2, SegmentBound.of(tuple(lengths)))
+                        tuple(lengths), -9.2, SegmentBound.of(tuple(lengths)), list(table).count(-1))
 
 
 NO_SPLIT = [0] * 32
@@ -92,7 +92,8 @@ def context(ext, double, tables, device="cpu", dtype=torch.bfloat16, state_v_fir
     return ext.make_context(address(double, "fqt_gdn_fwd"), address(double, "fqt_gdn_fwd_workspace_bytes"),
                             torch.device(device), dtype, HQK, HV, D, D, state_v_first, tables.warmup.data_ptr(),
                             tables.segment_chunks.data_ptr(), tables.log_eps, list(b.lengths), list(b.top_extra),
-                            list(b.top_shortest), MAX_SEGMENTS, CP_SCRATCH_LIMIT_BYTES, 3 * HV * D * D * 4)
+                            list(b.top_shortest), MAX_SEGMENTS, CP_SCRATCH_LIMIT_BYTES, 3 * HV * D * D * 4,
+                            tables.exact_heads)
 
 
 def inputs(B, T, dtype=torch.bfloat16):
@@ -122,7 +123,7 @@ def test_varlen_call_fills_the_launch_struct(ext, double):
     segments = warmup_tables.call_segments(tables, 3000, 3, 3 * HV * D * D * 4, 0)
     assert segments > 3 and a.max_segments == segments
     assert (a.warmup, a.segment_chunks) == (tables.warmup.data_ptr(), tables.segment_chunks.data_ptr())
-    assert a.log_eps == pytest.approx(-9.2)
+    assert a.log_eps == pytest.approx(-9.2) and a.exact_heads == 1  # the table's one -1
 
 
 def test_host_offsets_that_no_sequence_splits_skip_cp(ext, double):
@@ -132,7 +133,7 @@ def test_host_offsets_that_no_sequence_splits_skip_cp(ext, double):
     _, final, code = call(ext, ctx, q, k, v, g, beta, cu, cu_cpu=cu.clone(), final=False)
     a = double.double_last().contents
     assert code == 0 and final is None and a.final_state is None
-    assert (a.max_segments, a.warmup, a.segment_chunks, a.log_eps) == (0, None, None, 0.0)
+    assert (a.max_segments, a.warmup, a.segment_chunks, a.log_eps, a.exact_heads) == (0, None, None, 0.0, 0)
 
 
 def test_batch_rows_get_device_offsets_and_the_default_scale(ext, double):
