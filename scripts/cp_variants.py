@@ -27,7 +27,9 @@ from flashqla_tune.plan import default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 
 # name: extra nvcc flags (csrc/gdn_fwd_host.cuh: FQT_CHAIN_COLUMNS forces the chain's column
-# width, FQT_JOBS_BESIDE_PREP=0 launches the jobs kernel after the prep in plain stream order)
+# width, FQT_JOBS_BESIDE_PREP=0 launches the jobs kernel after the prep in plain stream order).
+# The fifteenth session also ran the CP passes on the two-per-SM kernel (a switch since deleted):
+# docs/kernel-notes.md has the results.
 VARIANTS = {"product": (), "jobs_after_prep": ("-DFQT_JOBS_BESIDE_PREP=0",),
             "columns16": ("-DFQT_CHAIN_COLUMNS=16",), "columns8": ("-DFQT_CHAIN_COLUMNS=8",),
             "columns4": ("-DFQT_CHAIN_COLUMNS=4",)}
