@@ -20,8 +20,9 @@
 //                       its programmatic dependent launch as soon as every chain CTA is resident:
 //   phase 3             the sequential kernel over the forward jobs, one launch on the caller's
 //                       stream (kUnchainedThenChained): the jobs that start from h0 or a warm-up
-//                       state run beside the chain, those that start from a chained state wait for
-//                       it in the kernel (griddepcontrol.wait). One stream and no events: the
+//                       state run beside the chain (unsplit sequences first: plan_segment), those
+//                       that start from a chained state wait for it in the kernel
+//                       (griddepcontrol.wait). One stream and no events: the
 //                       eleventh session's side stream cost the host two event records and two
 //                       waits per call.
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
@@ -72,6 +73,7 @@ struct CpPlanArgs {
                                   // the short windows fill in behind them)
   CpJob* jobs_fwd;                // [S, Hv]
   int32_t* exact;                 // [S, Hv]: 1 if boundary z is chained exactly
+  int32_t* fwd_order;             // [S]: the forward pass's unchained CTA z runs job row fwd_order[z]
   float* boundary;                // [S, Hv, state]: the start state of segment z (z not first)
   float* h_end;                   // [S, Hv, state]: H of the segment before boundary z
   float* m_end;                   // [S, Hv, K, K]: M of the segment before boundary z
@@ -172,24 +174,32 @@ __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int 
 }
 
 // Segment z of cp_segments_kernel's plan, found by this CTA alone (a.fused_segments: a thread per
-// sequence, one scan): its sequence (-1 past the last segment), index and the sequence's segment
-// count. CTA (0, 0) also writes every sequence's first segment and count, which the chain reads.
+// sequence, two scans): its sequence (-1 past the last segment), index, the sequence's segment
+// count, and its place in the forward pass's unchained order: the sequences that do not split
+// first (in sequence order), then the segments of the others. An unsplit sequence's one job can be
+// longer than a segment (the table splits by length bucket), so it should not wait behind the
+// segments for an SM. CTA (0, 0) also writes every sequence's first segment and count, which the
+// chain reads.
 struct SegmentOf {
-  int32_t seq, index, count;
+  int32_t seq, index, count, order;
 };
 __device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z) {
   static_assert(kFusedSegmentSeqs <= kGuardThreads, "a thread per sequence");
   using Scan = cub::BlockScan<int32_t, kGuardThreads>;
-  __shared__ typename Scan::TempStorage scan;
+  __shared__ typename Scan::TempStorage scan, scan_whole;
   __shared__ SegmentOf found;
   const int64_t i = threadIdx.x;
   const int32_t n = i < a.num_seqs ? wanted_segments(a, i) : 0;
-  if (threadIdx.x == 0) found = SegmentOf{-1, 0, 0};
-  int32_t first;
+  if (threadIdx.x == 0) found = SegmentOf{-1, 0, 0, 0};
+  int32_t first, whole_before, wholes;
   Scan(scan).ExclusiveSum(n, first);
+  Scan(scan_whole).ExclusiveSum(n == 1 ? 1 : 0, whole_before, wholes);
   __syncthreads();  // the reset above comes before any thread's find below
   const int32_t count = segments_that_fit(n, first, a.num_segments);
-  if (i < a.num_seqs && first <= z && z < first + int64_t(count)) found = SegmentOf{int32_t(i), int32_t(z - first), count};
+  if (i < a.num_seqs && first <= z && z < first + int64_t(count)) {
+    const int32_t index = int32_t(z - first);
+    found = SegmentOf{int32_t(i), index, count, n == 1 ? whole_before : wholes + (first - whole_before) + index};
+  }
   if (blockIdx.x == 0 && blockIdx.y == 0 && i < a.num_seqs) {
     a.seq_first[i] = first;
     a.seq_count[i] = count;
@@ -207,7 +217,7 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
   const int64_t row = z * Hv + hv;
   CpJob window{}, h_job{}, m_job{}, fwd{};
   bool exact = false;
-  SegmentOf seg{-1, 0, 0};
+  SegmentOf seg{-1, 0, 0, 0};
   if (a.fused_segments) {
     seg = plan_segment(a, z);
   } else if ((seg.seq = a.seg_seq[z]) >= 0) {
@@ -255,6 +265,10 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
     a.jobs_state[2 * S * Hv + row] = window;
     a.jobs_fwd[row] = fwd;
     a.exact[row] = exact ? 1 : 0;
+    if (hv == 0) {  // unused segments, and calls planned by cp_segments_kernel, keep their own place
+      const int64_t place = a.fused_segments && seg.seq >= 0 ? seg.order : z;
+      if (place >= 0 && place < S) a.fwd_order[place] = int32_t(z);  // malformed offsets: in bounds
+    }
     // This grid runs as the prep's programmatic dependent, beside the prep's tail (it reads only
     // the call's inputs). One CTA waits for the prep before it exits, so that this grid completes
     // after the prep: the state pass, launched next on the stream, reads the output of both.

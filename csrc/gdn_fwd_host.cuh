@@ -33,12 +33,13 @@ struct DeviceSetup {
 
 // Scratch: normalised q and k (token-indexed), then slot-indexed gamma, Aw and P, then the
 // prep's ready flags [Hqk, slots]; with context parallelism (segments > 0) then the segment
-// tables, the jobs and the fp32 boundary, H and M states of up to `segments` segments.
+// tables, the jobs, the forward pass's job order and the fp32 boundary, H and M states of up to
+// `segments` segments.
 template <class Cfg>
 struct Workspace {
   int64_t qn, kn, gamma, aw, p, ready, total;
   int64_t segments = 0, seg_seq = 0, seg_index = 0, seq_first = 0, seq_count = 0, jobs_state = 0, jobs_fwd = 0,
-          exact = 0, boundary = 0, h_end = 0, m_end = 0;
+          exact = 0, fwd_order = 0, boundary = 0, h_end = 0, m_end = 0;
   Workspace(int64_t T, int64_t N, int64_t max_segments) {
     const int64_t slots = num_chunk_slots(T, N);
     const int64_t qk_bytes = align256(T * Cfg::Hqk * Cfg::HeadK * int64_t(sizeof(typename Cfg::Elem)));
@@ -60,7 +61,8 @@ struct Workspace {
     jobs_state = seq_count + align256(N * 4);
     jobs_fwd = jobs_state + align256(3 * S * Cfg::Hv * int64_t(sizeof(CpJob)));
     exact = jobs_fwd + align256(S * Cfg::Hv * int64_t(sizeof(CpJob)));
-    boundary = exact + align256(S * Cfg::Hv * 4);
+    fwd_order = exact + align256(S * Cfg::Hv * 4);
+    boundary = fwd_order + align256(S * 4);
     h_end = boundary + states;
     m_end = h_end + states;
     total = m_end + states;
@@ -104,6 +106,7 @@ CpPlanArgs cp_plan_args(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* 
                     reinterpret_cast<CpJob*>(base + ws.jobs_state),
                     reinterpret_cast<CpJob*>(base + ws.jobs_fwd),
                     reinterpret_cast<int32_t*>(base + ws.exact),
+                    reinterpret_cast<int32_t*>(base + ws.fwd_order),
                     reinterpret_cast<float*>(base + ws.boundary),
                     reinterpret_cast<float*>(base + ws.h_end),
                     reinterpret_cast<float*>(base + ws.m_end),
@@ -134,6 +137,9 @@ int chain_columns(int64_t num_seqs, int32_t exact_heads, int sm_count) {
   return 16;
 }
 
+#ifndef FQT_FWD_JOB_ORDER
+#define FQT_FWD_JOB_ORDER 1  // 0: the forward pass's unchained jobs in segment order (measurement only)
+#endif
 #ifndef FQT_JOBS_BESIDE_PREP
 #define FQT_JOBS_BESIDE_PREP 1  // 0: the jobs kernel after the prep, in plain stream order (measurement only)
 #endif
@@ -184,6 +190,7 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const CpPlanArgs& pa, FwdP
   if (err != cudaSuccess) return err;
   fp.jobs = pa.jobs_fwd;
   fp.job_pass = kUnchainedThenChained;
+  fp.job_order = FQT_FWD_JOB_ORDER ? pa.fwd_order : nullptr;
   return launch_programmatic<Cfg>(gdn_fwd_kernel<Cfg>, fp, 2 * S, stream);
 }
 

@@ -185,6 +185,8 @@ struct FwdParamsOf {
   int64_t num_slots;
   float scale;
   int32_t job_pass = kAllJobs; // with jobs: which of them this launch runs (kUnchainedThenChained)
+  const int32_t* job_order = nullptr;  // [S] kUnchainedThenChained: the unchained half's CTA z runs
+                                       // row job_order[z] (gdn_cp.cuh plan_segment); null: row z
 };
 template <class Cfg>
 using FwdParams = FwdParamsOf<typename Cfg::Elem, typename Cfg::TmaQK, typename Cfg::TmaV, typename Cfg::TmaMat>;
@@ -358,7 +360,12 @@ __device__ __forceinline__ bool in_chained_half(const Params& p) {
 }
 template <class Params>
 __device__ __forceinline__ int64_t job_row(const Params& p) {
-  return int64_t(blockIdx.z) - (in_chained_half(p) ? int64_t(gridDim.z / 2) : 0);
+  if (in_chained_half(p)) return int64_t(blockIdx.z) - int64_t(gridDim.z / 2);
+  if (p.job_pass == kUnchainedThenChained && p.job_order != nullptr) {
+    const int32_t row = p.job_order[blockIdx.z];
+    return row >= 0 && row < int32_t(gridDim.z / 2) ? row : int64_t(blockIdx.z);  // malformed offsets: in bounds
+  }
+  return blockIdx.z;
 }
 
 // This CTA's start state (end == false) or end state (end == true) for v-head hv: its job's, or

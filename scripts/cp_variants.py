@@ -26,13 +26,12 @@ from flashqla_tune.bench.variants import build_variants, running  # noqa: E402
 from flashqla_tune.plan import default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 
-# name: extra nvcc flags (csrc/gdn_fwd_host.cuh: FQT_CHAIN_COLUMNS forces the chain's column
-# width, FQT_JOBS_BESIDE_PREP=0 launches the jobs kernel after the prep in plain stream order).
-# The fifteenth session also ran the CP passes on the two-per-SM kernel (a switch since deleted):
-# docs/kernel-notes.md has the results.
-VARIANTS = {"product": (), "jobs_after_prep": ("-DFQT_JOBS_BESIDE_PREP=0",),
-            "columns16": ("-DFQT_CHAIN_COLUMNS=16",), "columns8": ("-DFQT_CHAIN_COLUMNS=8",),
-            "columns4": ("-DFQT_CHAIN_COLUMNS=4",)}
+# name: extra nvcc flags (csrc/gdn_fwd_host.cuh: FQT_FWD_JOB_ORDER=0 runs the forward pass's
+# unchained jobs in segment order instead of unsplit sequences first; FQT_CHAIN_COLUMNS=4|8|16
+# forces the chain's column width; FQT_JOBS_BESIDE_PREP=0 launches the jobs kernel after the prep
+# in plain stream order). The fifteenth session measured each, and the CP passes on the two-per-SM
+# kernel (a switch since deleted): docs/kernel-notes.md has the results.
+VARIANTS = {"product": (), "segment_order": ("-DFQT_FWD_JOB_ORDER=0",), "columns16": ("-DFQT_CHAIN_COLUMNS=16",)}
 HEADS = [(16, 16), (2, 8), (8, 32)]
 # (heads index, seqlens, decay, warm-up table, forced segment length): exact and warm-up heads, a
 # guard that fails (weak decay), varlen with a tail off a multiple of 64
@@ -40,10 +39,10 @@ CHECKS = [(0, [8192 + 17, 300], "mixed", [-1, 4, 5, -1] * 4, 16),
           (1, [8192 + 100], "weak", [2] * 8, 8),
           (1, [6000, 17, 3000], "strong", [-1, 3, -1, 3, 5, 5, 5, -1], 8),
           (2, [4096 + 33], "mixed", [-1, 4] * 16, 8)]
-TIMED = {(16, 16): ["1x8192", "8192x4", "1x32768", "28672+4096", "16384+16384", "12288+4096"],
-         (2, 8): ["1x8192", "1x32768", "8192x4", "28672+4096"],
-         (8, 32): ["1x32768", "16384+16384"]}
-SPLIT_ROWS = [((16, 16), "1x8192"), ((16, 16), "1x32768"), ((2, 8), "1x32768")]
+TIMED = {(16, 16): ["12288+4096", "28672+4096", "4096+28672", "1024+7168", "1x8192"],
+         (2, 8): ["12288+4096", "28672+4096", "1024+7168", "1x32768"],
+         (8, 32): ["12288+4096", "28672+4096"]}
+SPLIT_ROWS = [((2, 8), "12288+4096")]
 
 
 def cp_call(plan, table):

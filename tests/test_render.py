@@ -28,7 +28,7 @@ def test_context_has_exactly_the_contract_keys():
     ctx = render_context(plan)
     assert set(ctx) == CONTRACT_KEYS
     assert ctx["plan_name"] == plan.name
-    assert ctx["abi_version"] == ABI_VERSION == 3
+    assert ctx["abi_version"] == ABI_VERSION == 4
     assert (ctx["num_qk_heads"], ctx["num_v_heads"], ctx["head_k_dim"], ctx["head_v_dim"], ctx["chunk_size"]) == \
         (4, 16, 128, 128, 64)
     assert (ctx["block_v"], ctx["stages"], ctx["producer_regs"], ctx["consumer_regs"]) == (64, 3, 40, 232)
