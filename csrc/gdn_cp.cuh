@@ -20,7 +20,8 @@
 //                       its programmatic dependent launch as soon as every chain CTA is resident:
 //   phase 3             the sequential kernel over the forward jobs, one launch on the caller's
 //                       stream (kUnchainedThenChained): the jobs that start from h0 or a warm-up
-//                       state run beside the chain (unsplit sequences first: plan_segment), those
+//                       state run beside the chain (unsplit sequences first in calls of up to
+//                       kFusedSegmentSeqs sequences: plan_segment), those
 //                       that start from a chained state wait for it in the kernel
 //                       (griddepcontrol.wait). One stream and no events: the
 //                       eleventh session's side stream cost the host two event records and two
