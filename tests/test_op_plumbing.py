@@ -168,17 +168,18 @@ def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeyp
     assert args.warmup == tables.warmup.data_ptr() and args.segment_chunks == tables.segment_chunks.data_ptr()
     assert args.max_segments == warmup_tables.max_segments(tables.lengths, T, 1) > 1
     assert args.log_eps == pytest.approx(math.log(1e-4))
+    assert args.exact_heads == tables.exact_heads == 1  # the table's one -1 sizes the chain's column slices
     # without a table: the default window on every head, guarded like any other
     ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, cu_seqlens=torch.tensor([0, T]))
     args = lib.calls[-1][0]
     default = warmup_tables.tables_for(warmup_tables.default_table(8), plan, q.device, warmup_tables.DEFAULT_EPS)
     assert args.warmup == default.warmup.data_ptr() and default.warmup.tolist() == [8] * 8
-    assert args.max_segments == warmup_tables.max_segments(default.lengths, T, 1) > 1
+    assert args.max_segments == warmup_tables.max_segments(default.lengths, T, 1) > 1 and args.exact_heads == 0
     # a call whose sequences are all too short to split runs no CP kernel at all
     ops.chunk_gated_delta_rule(q[:, :2048], q[:, :2048], v[:, :2048], g[:, :2048], g[:, :2048], state_v_first=True,
                                cu_seqlens=torch.tensor([0, 1024, 2048]))
     args = lib.calls[-1][0]
-    assert args.warmup is None and args.segment_chunks is None and args.max_segments == 0
+    assert args.warmup is None and args.segment_chunks is None and args.max_segments == 0 and args.exact_heads == 0
     # eight 1024-token sequences: ceil(T / 64) = 128 chunks could split, so without the host's
     # copy of cu_seqlens the CP kernels run (and find nothing to split); with it they are skipped
     cu8 = torch.arange(0, T + 1, 1024)
