@@ -69,22 +69,32 @@ struct Workspace {
   }
 };
 
+// `kernel` as the programmatic dependent of the kernel before it on the stream (with
+// programmatic == false, in plain stream order): it may start before that kernel ends, so it must
+// wait for it (griddepcontrol.wait) before reading its output.
+template <class Kernel, class Args>
+cudaError_t launch_dependent(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args& args,
+                             cudaStream_t stream, bool programmatic = true) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = programmatic ? 1 : 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args);
+}
+
 // The sequential kernel, one CTA per (v tile, v-head, grid z: a sequence, or a CP job row), as
 // the programmatic dependent of the kernel before it on the stream (the prep; with CP, the chain):
 // its launch and prologue hide behind that kernel.
 template <class Cfg, class Kernel>
 cudaError_t launch_programmatic(Kernel kernel, const FwdParams<Cfg>& fp, int64_t grid_z, cudaStream_t stream) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(grid_z));
-  config.blockDim = dim3(Cfg::Threads);
-  config.dynamicSmemBytes = Cfg::SmemBytes;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, fp);
+  return launch_dependent(kernel, dim3(Cfg::HeadV / Cfg::BlockV, Cfg::Hv, unsigned(grid_z)), dim3(Cfg::Threads),
+                          Cfg::SmemBytes, fp, stream);
 }
 
 // The context-parallel planning kernels' arguments: the call's inputs and tables, and where
@@ -159,17 +169,9 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const CpPlanArgs& pa, FwdP
                               cudaStream_t stream) {
   static_assert(Cfg::HeadK == Cfg::HeadV, "a transition job (S = I) needs K = V");
   const int64_t S = pa.num_segments;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = FQT_JOBS_BESIDE_PREP;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(S), Cfg::Hv);
-  config.blockDim = dim3(kGuardThreads);
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  cudaError_t err =
-      cudaLaunchKernelEx(&config, cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>, pa);
+  cudaError_t err = launch_dependent(cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>,
+                                     dim3(unsigned(S), Cfg::Hv), dim3(kGuardThreads), 0, pa, stream,
+                                     FQT_JOBS_BESIDE_PREP != 0);
   if (err != cudaSuccess) return err;
   fp.initial_state = nullptr;
   fp.final_state = nullptr;
