@@ -107,6 +107,15 @@ score_half() {
     --impl fla --impl flashqla "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s "${SCORE_BUDGET_S:-370}" --prewarm \
     > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
 }
+# The scoreboard's two halves (one GPU each on an x2), and what a call keeps of a half: its
+# calibrated column's summary line printed, its folder as one archive (the device returns at most
+# 8 files a call). pack_score_half GPU
+FIRST_HALF=(--heads 16/16 --heads 2/8 --heads 4/16)
+SECOND_HALF=(--heads 8/24 --heads 16/32 --heads 8/32)
+pack_score_half() {
+  grep -A12 "^Summary, graph" "$OUT/gpu$1/scoreboard.md" | grep flashqla_tune_warmup
+  tar -C "$OUT" -czf "$OUT/scoreboard-gpu$1.tar.gz" "gpu$1" && rm -rf "${OUT:?}/gpu$1"
+}
 # The GPU tests host-cp-half runs beside the scoreboard's second half; half-oracle runs the rest
 # (and the CP ones again, since host-cp-half's time limit can cut them).
 CP_HALF_TESTS="context_parallel or forced_short or cpp_host or graph or two_ctas or malformed or no_sequence or int32 or 16_byte"
@@ -139,12 +148,11 @@ case "${1:-tests}" in
        --durations=0 > "$OUT/gpu_tests_cp.log" 2>&1
      CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
        --seqlens 8192x4 --seqlens 1x8192 --impl flashqla_tune_warmup > "$OUT/kernel_split.log" 2>&1) &
-    SCORE_TIMEOUT_S=430 SCORE_BUDGET_S=360 score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    SCORE_TIMEOUT_S=430 SCORE_BUDGET_S=360 score_half 1 "${SECOND_HALF[@]}" &
     wait
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 2; grep -E "^FAILED|Error" "$OUT/gpu_tests_cp.log" | head -n 12 | cut -c1-300
     grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
-    grep -A12 "^Summary, graph" "$OUT/gpu1/scoreboard.md" | grep flashqla_tune_warmup
-    tar -C "$OUT" -czf "$OUT/scoreboard-gpu1.tar.gz" gpu1 && rm -rf "${OUT:?}/gpu1"
+    pack_score_half 1
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
   host-cp-variants)
     # on nvidia-h200-x2, after a CP launch change with prep variants pending: the host step alone (a
@@ -206,7 +214,7 @@ case "${1:-tests}" in
     # on nvidia-h200-x2: the scoreboard's first half on GPU 0; on GPU 1 at once the CP GPU tests
     # (again: host-cp-half's time limit can cut them), the oracle cases and the forward GPU tests
     # host-cp-half does not run
-    SCORE_TIMEOUT_S=440 SCORE_BUDGET_S=370 score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
+    SCORE_TIMEOUT_S=440 SCORE_BUDGET_S=370 score_half 0 "${FIRST_HALF[@]}" &
     groups=("context_parallel or forced_short" "test_forward_matches_float64_oracle"
             "not test_forward_matches_float64_oracle and not ($CP_HALF_TESTS)")
     for i in 0 1 2; do
@@ -216,8 +224,7 @@ case "${1:-tests}" in
     wait
     cat "$OUT"/gpu_tests_[012].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[012].log
     grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "; grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300
-    grep -A12 "^Summary, graph" "$OUT/gpu0/scoreboard.md" | grep flashqla_tune_warmup
-    tar -C "$OUT" -czf "$OUT/scoreboard-gpu0.tar.gz" gpu0 && rm -rf "${OUT:?}/gpu0" ;;
+    pack_score_half 0 ;;
   host-tests-ablation)
     # on nvidia-h200-x2: the host step alone first (a quiet host), then at once the forward GPU
     # tests on GPU 0 and, on GPU 1, the prep ablation and the CP per-kernel split of the rows the
@@ -259,33 +266,29 @@ case "${1:-tests}" in
     (CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
        -k "context_parallel or forced_short or cpp_host or group3 or two_ctas" > "$OUT/gpu_tests_cp.log" 2>&1
      CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1) &
-    score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    score_half 1 "${SECOND_HALF[@]}" &
     wait
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 2; tail -n 1 "$OUT/host_overhead.log" | cut -c1-400
-    grep -A12 "^Summary, graph" "$OUT/gpu1/scoreboard.md" | grep flashqla_tune_warmup
-    tar -C "$OUT" -czf "$OUT/scoreboard-gpu1.tar.gz" gpu1 && rm -rf "${OUT:?}/gpu1" ;;
+    pack_score_half 1 ;;
   host-then-half)
     # the host step alone on a quiet host (the bench's parallel builds inflate host times by
     # 1.5-2x), then pair-score's first half in the time left
     CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
     tail -n 1 "$OUT/host_overhead.log" | cut -c1-500
-    SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 --heads 16/16 --heads 2/8 --heads 4/16
-    grep -A12 "^Summary, graph" "$OUT/gpu0/scoreboard.md" | grep flashqla_tune_warmup
-    tar -C "$OUT" -czf "$OUT/scoreboard-gpu0.tar.gz" gpu0 && rm -rf "${OUT:?}/gpu0" ;;
+    SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 "${FIRST_HALF[@]}"
+    pack_score_half 0 ;;
   pair-score)
-    score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
-    score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    score_half 0 "${FIRST_HALF[@]}" &
+    score_half 1 "${SECOND_HALF[@]}" &
     wait
     CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" > "$OUT/host_overhead.log" 2>&1
     tail -n 2 "$OUT/host_overhead.log"
-    for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done
-    # the device returns at most 8 files a call: each half as one archive
-    for gpu in 0 1; do tar -C "$OUT" -czf "$OUT/scoreboard-gpu$gpu.tar.gz" "gpu$gpu" && rm -rf "${OUT:?}/gpu$gpu"; done ;;
+    pack_score_half 0; pack_score_half 1 ;;
   pair-score-cp)
     # on nvidia-h200-x2: pair-score, then on GPU 0 the host step and on GPU 1 the CP GPU tests
     # (after a change of the CP launch whose kernels the whole module has already passed)
-    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 0 --heads 16/16 --heads 2/8 --heads 4/16 &
-    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 1 --heads 8/24 --heads 16/32 --heads 8/32 &
+    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 0 "${FIRST_HALF[@]}" &
+    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 1 "${SECOND_HALF[@]}" &
     wait
     CUDA_VISIBLE_DEVICES=0 timeout 100 python3 scripts/host_overhead.py "$OUT" > "$OUT/host_overhead.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
@@ -294,8 +297,7 @@ case "${1:-tests}" in
     tail -n 2 "$OUT/host_overhead.log" | cut -c1-600
     grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp " | tail -n 2
     grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300
-    for gpu in 0 1; do grep -A12 "^Summary, graph" "$OUT/gpu$gpu/scoreboard.md" | grep flashqla_tune_warmup; done
-    for gpu in 0 1; do tar -C "$OUT" -czf "$OUT/scoreboard-gpu$gpu.tar.gz" "gpu$gpu" && rm -rf "${OUT:?}/gpu$gpu"; done
+    pack_score_half 0; pack_score_half 1
     true ;;
   pair-final)
     # the device returns at most 8 files: the three test groups' logs stay only in gpu_tests.log
