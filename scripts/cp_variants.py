@@ -15,14 +15,13 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from gdn_inputs import rel_l2  # noqa: E402
 from test_gpu_forward import make_case, reference, run_ours  # noqa: E402
 
 from flashqla_tune import runtime  # noqa: E402
 from flashqla_tune.bench.cases import Case, parse_seqlens  # noqa: E402
 from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table  # noqa: E402
 from flashqla_tune.bench.timing import CudaTimer, kernel_ms_per_call  # noqa: E402
-from flashqla_tune.bench.variants import build_variants, running  # noqa: E402
+from flashqla_tune.bench.variants import build_variants, check_fields, running  # noqa: E402
 from flashqla_tune.plan import default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 
@@ -67,9 +66,7 @@ def main(out_dir: str) -> int:
                 torch.cuda.synchronize()
             same = first.setdefault(c, (o, s))
             row = {"variant": name, "heads": f"{hqk}/{hv}", "seqlens": seqlens, "decay": decay, "warmup": table,
-                   "length": length, "o": float(rel_l2(o, ref_o)), "state": float(rel_l2(s, ref_s)),
-                   "nan": bool(torch.isnan(o).any() or torch.isnan(s).any()),
-                   "bitwise_as_first": bool(torch.equal(o, same[0]) and torch.equal(s, same[1]))}
+                   "length": length, **check_fields(o, s, ref_o, ref_s, same)}
             result["checks"].append(row)
             print(json.dumps(row), flush=True)
     timer = CudaTimer(budget_s=0.1)

@@ -16,12 +16,11 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from gdn_inputs import rel_l2  # noqa: E402
 from test_gpu_forward import make_case, reference, run_ours  # noqa: E402
 
 from flashqla_tune.bench.cases import Case  # noqa: E402
 from flashqla_tune.bench.inputs import make_rotation  # noqa: E402
-from flashqla_tune.bench.variants import build_variants, prep_ms, running  # noqa: E402
+from flashqla_tune.bench.variants import build_variants, check_fields, prep_ms, running  # noqa: E402
 from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
@@ -67,8 +66,7 @@ def main(out_dir: str) -> int:
                 torch.cuda.synchronize()
             same = first.setdefault(c, (o, s))
             row = {"variant": name, "plan": plans[index].name, "seqlens": seqlens, "decay": decay, "l2norm": l2norm,
-                   "o": float(rel_l2(o, ref_o)), "state": float(rel_l2(s, ref_s)), "nan": bool(torch.isnan(o).any()),
-                   "bitwise_as_first": bool(torch.equal(o, same[0]) and torch.equal(s, same[1]))}
+                   **check_fields(o, s, ref_o, ref_s, same)}
             result["checks"].append(row)
             print(json.dumps(row), flush=True)
     for index, case in TIMED:

@@ -320,3 +320,21 @@ def test_running_a_variant_restores_the_runtime_lookup_even_on_error(monkeypatch
         with variants.running(SimpleNamespace(so_path="/variant.so"), plan):
             raise RuntimeError("inside")
     assert runtime.library is own and host_path.enabled()
+
+
+def test_variant_check_fields_report_error_unwritten_elements_and_bit_equality():
+    """bench.variants.check_fields, what the variant scripts record per check: errors against the
+    reference, NaN left in either output, and bit equality with the first variant's run."""
+    from flashqla_tune.bench.variants import check_fields
+    ref_o, ref_s = torch.randn(4, 8, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    o, s = ref_o.float(), ref_s.float()
+    same = check_fields(o, s, ref_o, ref_s, (o.clone(), s.clone()))
+    assert same["o"] < 1e-6 and same["state"] < 1e-6 and not same["nan"] and same["bitwise_as_first"]
+    nudged = s.clone()
+    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(math.inf))
+    moved = check_fields(o, nudged, ref_o, ref_s, (o, s))
+    assert not moved["bitwise_as_first"] and not moved["nan"] and moved["state"] > 0
+    unwritten = s.clone()
+    unwritten[1, 2] = float("nan")
+    assert check_fields(o, unwritten, ref_o, ref_s, (o, s))["nan"]  # NaN in the state alone counts
+    assert check_fields(o * 2, s, ref_o, ref_s, (o, s))["o"] == pytest.approx(1.0)

@@ -7,10 +7,13 @@ import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from .. import cache, host_path, runtime
 from ..build import BuildConfig
 from ..loader import open_library
 from ..plan import KernelPlan
+from .accuracy import rel_l2
 from .timing import kernel_ms_per_call
 
 
@@ -46,3 +49,14 @@ def prep_ms(forward, repeats: int = 5) -> float:
     """The prep kernel's GPU time per call of forward() (ms), the other kernels left out."""
     per_kernel = kernel_ms_per_call(forward, repeats, lambda kernel: "prep" if "gdn_prep_kernel" in kernel else "other")
     return round(per_kernel["prep"], 4)
+
+
+def check_fields(o, state, ref_o, ref_state, first: tuple) -> dict:
+    """What a variant script records of one variant's run of an oracle check: the relative L2 of
+    o and of the final state against the float64 reference, whether an element stayed unwritten
+    (NaN: the outputs are poisoned before the run), and whether both equal the first variant's
+    run of the same check bit for bit (first: its (o, state); a variant that only moves work
+    between threads or CTAs must give the same bits)."""
+    return {"o": rel_l2(o, ref_o), "state": rel_l2(state, ref_state),
+            "nan": bool(torch.isnan(o).any() or torch.isnan(state).any()),
+            "bitwise_as_first": bool(torch.equal(o, first[0]) and torch.equal(state, first[1]))}
