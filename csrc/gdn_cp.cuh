@@ -290,6 +290,17 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
 // the next step's input when the next boundary is exact too.
 constexpr int kChainThreads = 256;   // two threads per state row (K = 128), each half the columns
 
+// Measurement switches (scripts/cp_variants.py); products build with the defaults.
+#ifndef FQT_CHAIN_FAST_EXIT
+#define FQT_CHAIN_FAST_EXIT 1  // 0: a CTA finds its first exact boundary by walking the boundaries in order
+#endif
+#ifndef FQT_CHAIN_EARLY_TRIGGER
+#define FQT_CHAIN_EARLY_TRIGGER 1  // 0: the forward pass launches only once the chain has finished
+#endif
+#ifndef FQT_CHAIN_SKIP
+#define FQT_CHAIN_SKIP 0  // 1: the chain does nothing (wrong results): the call's time without it
+#endif
+
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
   return int(sizeof(float)) * (2 * K * K + K * Columns);
@@ -312,7 +323,8 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   float* prev = chain_smem + 2 * K * K;            // [K][Columns]
   // The forward pass may launch now: its unchained jobs need nothing from here, and its chained
   // ones wait for this grid to finish (every chain CTA is resident or done before it starts).
-  allow_dependent_launch();
+  if (FQT_CHAIN_EARLY_TRIGGER) allow_dependent_launch();
+  if (FQT_CHAIN_SKIP) return;
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
   const int col0 = blockIdx.z * Columns;
@@ -326,6 +338,14 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     while (j < n && !exact_at(j)) ++j;
     return j;
   };
+  if (FQT_CHAIN_FAST_EXIT) {
+    // Most CTAs have nothing to chain (only exact heads work: a quarter of the heads in the
+    // protocol's tables). Their flags are read at once, one per thread, so such a CTA frees its SM
+    // after one load instead of walking the boundaries one dependent load at a time.
+    bool any = false;
+    for (int32_t b = 1 + int32_t(threadIdx.x); b < n; b += kChainThreads) any = any || exact_at(b);
+    if (!__syncthreads_or(any)) return;
+  }
   // M (k, m) lies where a state's (k, v = m) does. Shared row r holds global row r: M's row k
   // (k-major states) or its column m (VFirst), 16 bytes per cp.async, consecutive threads along a row.
   auto fill = [&](int32_t j, int buf) {

@@ -32,8 +32,8 @@
 #                                                 on GPU 1 the prep variants and the CP time per segment length
 #                                                 of the 8192-token rows on 16/16 and 4/16
 #   bash scripts/h200_next_session.sh cp-variants-x2   on nvidia-h200-x2: scripts/cp_variants.py (the
-#                                                 chain's column widths, the jobs kernel beside the
-#                                                 prep) on GPU 0, the forward GPU tests on both
+#                                                 CP launch's build variants, the warm-up tables) on
+#                                                 GPU 0, the whole forward GPU module on GPU 1
 #   bash scripts/h200_next_session.sh pair-score-cp    on nvidia-h200-x2: both scoreboard halves, then the
 #                                                 host step and the CP GPU tests
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
@@ -192,17 +192,15 @@ case "${1:-tests}" in
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log"
     true ;;  # the summaries' greps may find nothing
   cp-variants-x2)
-    # on nvidia-h200-x2 (carry .whl-bench and .carry, where scripts/cp_variants.py's builds may
-    # be cached: FLASHQLA_TUNE_CACHE=.carry/fqt-cache): on GPU 0 the CP launch variants (the
-    # chain's column widths, the jobs kernel beside the prep), then half the forward GPU module;
-    # on GPU 1 the other half
+    # on nvidia-h200-x2 (carry .whl-bench): on GPU 0 the CP launch variants and warm-up tables
+    # (scripts/cp_variants.py); on GPU 1 at once the whole forward GPU module, its four groups
+    # side by side (nothing there is timed)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1
-     forward_group 1 0 330 & forward_group 3 0 330 & wait) &
-    (forward_group 0 1 300 & forward_group 2 1 300 & wait) &
+    CUDA_VISIBLE_DEVICES=0 timeout 500 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1 &
+    for i in 0 1 2 3; do forward_group "$i" 1 500 & done
     wait
     collect_forward_groups
-    grep -E "graph_ms|worst|Error" "$OUT/cp_variants.log" | cut -c1-300
+    grep -E "graph_ms|tables_ms|\"state\"|worst|Error" "$OUT/cp_variants.log" | cut -c1-400
     true ;;
   tests-x2)
     # on nvidia-h200-x2: the whole forward GPU test module in four pytest processes, two per GPU
