@@ -20,7 +20,8 @@ from .torch_chunked import chunk_gated_delta_rule_torch
 class Impl:
     name: str
     fn: Callable
-    cu_dtype: torch.dtype  # which cu_seqlens tensor the library wants
+    cu_dtype: torch.dtype  # which cu_seqlens tensor the library wants (ours: int64, what its kernels read;
+                           # given int32, our op converts it on the device in every call)
     version: str | None = None
     note: str = ""
 
@@ -72,7 +73,7 @@ def _ours():
 
 def _load_flashqla_tune():
     fn, version = _ours()
-    return Impl("flashqla_tune", fn, torch.int32, version,
+    return Impl("flashqla_tune", fn, torch.int64, version,
                 "our op, default plan, default guarded warm-up window (context parallel where the cost model splits)")
 
 
@@ -85,7 +86,7 @@ def _load_flashqla_tune_single_chain():
         ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
         return ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                state_v_first, cu_seqlens, plan_name="", warmup=None)
-    return Impl("flashqla_tune_single_chain", fn, torch.int32, version,
+    return Impl("flashqla_tune_single_chain", fn, torch.int64, version,
                 "our kernels without context parallelism: one exact chain per sequence")
 
 
@@ -94,7 +95,7 @@ def _with_warmup(name: str, table_of: Callable[[int], tuple[int, ...]], note: st
 
     def fn(q, k, v, g, beta, **kw):
         return ours(q, k, v, g, beta, warmup=table_of(v.shape[2]), **kw)
-    return Impl(name, fn, torch.int32, version, note)
+    return Impl(name, fn, torch.int64, version, note)
 
 
 def _load_flashqla_tune_warmup():
