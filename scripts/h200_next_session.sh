@@ -44,8 +44,9 @@
 #                                                 2/8 and 4/16 scoreboard rows that fit
 #   bash scripts/h200_next_session.sh scoreboard [--heads H/V ...]   scoreboard rows that fit one
 #                                                 call: ours, FLA, FlashQLA (no PyTorch baseline)
-#   bash scripts/h200_next_session.sh ncu         Nsight Compute on the prep and sequential kernels
-#                                                 (scripts/ncu_target.py): stall reasons, memory, occupancy
+#   bash scripts/h200_next_session.sh ncu [H/V:SEQLENS ...]   Nsight Compute on the prep and sequential
+#                                                 kernels (scripts/ncu_target.py; its default cases
+#                                                 without arguments): stall reasons, memory, occupancy
 #   bash scripts/h200_next_session.sh prep-ablation   the prep's time per stage by leaving stages out
 #                                                 (scripts/prep_ablation.py; no counters needed)
 #   bash scripts/h200_next_session.sh tune-smoke  a few tuner trials measured in the child process (carry .whl)
@@ -340,7 +341,7 @@ case "${1:-tests}" in
       --kernel-name regex:'gdn_prep_kernel|gdn_fwd_kernel' \
       --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
       --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
-      -o "$OUT/kernels" python3 -P scripts/ncu_target.py > "$OUT/ncu.log" 2>&1
+      -o "$OUT/kernels" python3 -P scripts/ncu_target.py "${@:2}" > "$OUT/ncu.log" 2>&1
     echo "ncu rc=$?"; tail -n 5 "$OUT/ncu.log"
     "$ncu_bin" --import "$OUT/kernels.ncu-rep" --page details > "$OUT/ncu_details.txt" 2>&1
     grep -E "gdn_|Duration|Warp Cycles Per Issued|Stall|Achieved Occupancy|Memory Throughput" "$OUT/ncu_details.txt" | head -n 40
