@@ -300,6 +300,13 @@ constexpr int kChainThreads = 256;   // two threads per state row (K = 128), eac
 #ifndef FQT_CHAIN_SKIP
 #define FQT_CHAIN_SKIP 0  // 1: the chain does nothing (wrong results): the call's time without it
 #endif
+#ifndef FQT_CHAIN_CLOCKS
+#define FQT_CHAIN_CLOCKS 0  // 1: each working CTA of column slice 0 prints its stages' SM clocks (scripts/chain_clocks.py)
+#endif
+
+// FQT_CHAIN_CLOCKS: clock64 at the stages of the first kChainClockSteps steps of a chain CTA.
+constexpr int kChainClockSteps = 8;
+enum ChainStage : int { kIssued, kFilled, kPrevRead, kSynced, kComputed, kStored, kChainStages };
 
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
@@ -365,6 +372,16 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   };
   int32_t j = next_exact(1);
   if (j >= n) return;
+#if FQT_CHAIN_CLOCKS
+  long long clocks[kChainClockSteps * kChainStages + 1];
+  int step = 0;
+  auto stamp = [&](int stage) {
+    if (step < kChainClockSteps) clocks[step * kChainStages + stage] = clock64();
+  };
+  clocks[kChainClockSteps * kChainStages] = clock64();
+#else
+  auto stamp = [](int) {};  // compiles to nothing: the product's code is as without the switch
+#endif
   fill(j, 0);
   float h_cur[kHalf];
   load_h(j, h_cur);
@@ -377,10 +394,13 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     if (following < n) {
       fill(following, buf ^ 1);  // its buffer was last read before the previous step's closing barrier
       load_h(following, h_next);
+      stamp(kIssued);
       cute::cp_async_wait<1>();  // the barrier below orders the shared-memory reads after it
     } else {
+      stamp(kIssued);
       cute::cp_async_wait<0>();
     }
+    stamp(kFilled);
     if (last != j - 1) {  // segment j - 1 starts from h0, a warm-up state or zeros: read it
       const float* s_prev = a.jobs_fwd[row - Hv].h0;
       for (int e = threadIdx.x; e < K * Columns; e += kChainThreads) {
@@ -390,7 +410,9 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     }
     float acc[kHalf];
     for (int c = 0; c < kHalf; ++c) acc[c] = h_cur[c];
+    stamp(kPrevRead);
     __syncthreads();  // M and prev are in shared memory
+    stamp(kSynced);
     const float* mb = m_buf + buf * K * K;
     auto accumulate = [&](int mm, float w) {  // acc += M(kk, mm) * prev(mm, my columns), m in order
       if constexpr (kHalf == 2) {
@@ -422,9 +444,14 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
         accumulate(m4 + 3, w.w);
       }
     }
+    stamp(kComputed);
     float* out = a.boundary + row * kState;
     for (int c = 0; c < kHalf; ++c) out[at(kk, col0 + c0 + c)] = acc[c];
     __syncthreads();  // every read of prev and of this M buffer is done
+    stamp(kStored);
+#if FQT_CHAIN_CLOCKS
+    ++step;
+#endif
     if (following == j + 1) {  // the next step starts from this result (otherwise it reads its own)
       for (int c = 0; c < kHalf; ++c) prev[kk * Columns + c0 + c] = acc[c];
     }
@@ -435,6 +462,24 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     j = following;
     buf ^= 1;
   }
+#if FQT_CHAIN_CLOCKS
+  {
+    // Cycles from the previous stage (a step's first stage: from the previous step's end, or from
+    // the first fill's issue), for thread 0 of column slice 0 of each working (sequence, head).
+    if (threadIdx.x == 0 && blockIdx.z == 0) {
+      long long prev_clock = clocks[kChainClockSteps * kChainStages];
+      for (int s = 0; s < step && s < kChainClockSteps; ++s) {
+        long long d[kChainStages];
+        for (int t = 0; t < kChainStages; ++t) {
+          d[t] = clocks[s * kChainStages + t] - prev_clock;
+          prev_clock = clocks[s * kChainStages + t];
+        }
+        printf("chain clocks seq %d head %d step %d: issue %lld fill %lld prev %lld sync %lld compute %lld store %lld\n",
+               int(i), hv, s, d[0], d[1], d[2], d[3], d[4], d[5]);
+      }
+    }
+  }
+#endif
 }
 
 }  // namespace fqt

@@ -25,6 +25,8 @@
 #   bash scripts/h200_next_session.sh host-cp-variants  on nvidia-h200-x2: the host step alone, then the CP
 #                                                 and host-path GPU tests and the CP split on GPU 0, the
 #                                                 variants step on GPU 1
+#   bash scripts/h200_next_session.sh chain-clocks   the exact chain's SM cycles per stage of a step
+#                                                 (scripts/chain_clocks.py, a measurement build)
 #   bash scripts/h200_next_session.sh tests-x2     on nvidia-h200-x2: the forward GPU tests in four groups,
 #                                                 two per GPU
 #   bash scripts/h200_next_session.sh first-x2     on nvidia-h200-x2: the forward GPU tests (two groups per GPU),
@@ -203,6 +205,10 @@ case "${1:-tests}" in
     collect_forward_groups
     grep -E "graph_ms|tables_ms|\"state\"|worst|Error" "$OUT/cp_variants.log" | cut -c1-400
     true ;;
+  chain-clocks)
+    # the exact chain's stage cycles per step (scripts/chain_clocks.py; a measurement build)
+    timeout 300 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks.log" 2>&1
+    echo "rc=$?"; grep -E "^==|chain clocks" "$OUT/chain_clocks.log" | head -n 60 | cut -c1-200 ;;
   tests-x2)
     # on nvidia-h200-x2: the whole forward GPU test module in four pytest processes, two per GPU
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
