@@ -286,8 +286,10 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
 // cp.async while the previous step computes (two buffers), and the step's H comes into registers
 // during the previous step too. Shared rows keep their 16-byte chunks XOR-swizzled by the row
 // index (slot c ^ (row & 7)), so an 8-thread phase of a float4 read along a row, or a 32-thread
-// scalar read down a column, touches every bank once. A step's result stays in shared memory as
-// the next step's input when the next boundary is exact too.
+// scalar read down a column, touches every bank once. Each output element sums its 128 products
+// in four running sums (m mod 4), which shortens the dependent chain of FMAs that held half of a
+// step's 6000 cycles (docs/kernel-notes.md, sixteenth session). A step's result stays in shared
+// memory as the next step's input when the next boundary is exact too.
 constexpr int kChainThreads = 256;   // two threads per state row (K = 128), each half the columns
 
 // Measurement switches (scripts/cp_variants.py); products build with the defaults.
@@ -303,14 +305,20 @@ constexpr int kChainThreads = 256;   // two threads per state row (K = 128), eac
 #ifndef FQT_CHAIN_CLOCKS
 #define FQT_CHAIN_CLOCKS 0  // 1: each working CTA of column slice 0 prints its stages' SM clocks (scripts/chain_clocks.py)
 #endif
+#ifndef FQT_CHAIN_PARTIALS
+#define FQT_CHAIN_PARTIALS 4  // 1: each output element sums its 128 products in one running sum
+#endif
 
 // FQT_CHAIN_CLOCKS: clock64 at the stages of the first kChainClockSteps steps of a chain CTA.
 constexpr int kChainClockSteps = 8;
 enum ChainStage : int { kIssued, kFilled, kPrevRead, kSynced, kComputed, kStored, kChainStages };
 
+constexpr int kChainPartials = FQT_CHAIN_PARTIALS;
+static_assert(kChainPartials == 1 || kChainPartials == 4, "one running sum, or four over m mod 4");
+
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
-  return int(sizeof(float)) * (2 * K * K + K * Columns);
+  return int(sizeof(float)) * (2 * K * K + K * Columns);  // two M buffers, the start state
 }
 
 // Word offset of element `col` of shared row `row` (rows of K words, 16-byte chunks swizzled).
@@ -354,7 +362,9 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     if (!__syncthreads_or(any)) return;
   }
   // M (k, m) lies where a state's (k, v = m) does. Shared row r holds global row r: M's row k
-  // (k-major states) or its column m (VFirst), 16 bytes per cp.async, consecutive threads along a row.
+  // (k-major states) or its column m (VFirst), 16 bytes per cp.async, consecutive threads along a
+  // row. (One bulk copy per row, issued by one warp and completing on an mbarrier, took about
+  // 15000 cycles a step to issue on the H200: docs/kernel-notes.md, sixteenth session.)
   auto fill = [&](int32_t j, int buf) {
     const float* m = a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K;
     float* dst = m_buf + buf * K * K;
@@ -394,10 +404,11 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     if (following < n) {
       fill(following, buf ^ 1);  // its buffer was last read before the previous step's closing barrier
       load_h(following, h_next);
-      stamp(kIssued);
+    }
+    stamp(kIssued);
+    if (following < n) {
       cute::cp_async_wait<1>();  // the barrier below orders the shared-memory reads after it
     } else {
-      stamp(kIssued);
       cute::cp_async_wait<0>();
     }
     stamp(kFilled);
@@ -408,13 +419,22 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
         prev[e] = s_prev ? s_prev[at(r, col0 + c)] : 0.f;
       }
     }
-    float acc[kHalf];
-    for (int c = 0; c < kHalf; ++c) acc[c] = h_cur[c];
+    // acc = H + M prev, each element's 128 products in kChainPartials running sums (m mod
+    // kChainPartials), added at the end in a fixed order: the same arithmetic for every column
+    // width, so the widths give the same bits.
+    float part[kChainPartials][kHalf];
+    for (int c = 0; c < kHalf; ++c) {
+      part[0][c] = h_cur[c];
+#pragma unroll
+      for (int p = 1; p < kChainPartials; ++p) part[p][c] = 0.f;
+    }
     stamp(kPrevRead);
     __syncthreads();  // M and prev are in shared memory
     stamp(kSynced);
     const float* mb = m_buf + buf * K * K;
-    auto accumulate = [&](int mm, float w) {  // acc += M(kk, mm) * prev(mm, my columns), m in order
+    // part[p] += M(kk, mm) * prev(mm, my columns), p = mm mod kChainPartials (a constant once unrolled)
+    auto accumulate = [&](int mm, float w, int p) {
+      float* acc = part[p];
       if constexpr (kHalf == 2) {
         const float2 x = *reinterpret_cast<const float2*>(prev + mm * Columns + c0);  // a broadcast per warp
         acc[0] = fmaf(w, x.x, acc[0]);
@@ -432,18 +452,24 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
       }
     };
     if constexpr (VFirst) {  // shared row mm is M's column mm: a scalar read down it
-#pragma unroll 8
-      for (int mm = 0; mm < K; ++mm) accumulate(mm, mb[chain_swizzled<K>(mm, kk)]);
+      for (int m8 = 0; m8 < K; m8 += 8) {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) accumulate(m8 + u, mb[chain_swizzled<K>(m8 + u, kk)], u % kChainPartials);
+      }
     } else {                 // shared row kk is M's row kk: float4 reads along it
 #pragma unroll 2
       for (int m4 = 0; m4 < K; m4 += 4) {
         const float4 w = *reinterpret_cast<const float4*>(mb + chain_swizzled<K>(kk, m4));
-        accumulate(m4, w.x);
-        accumulate(m4 + 1, w.y);
-        accumulate(m4 + 2, w.z);
-        accumulate(m4 + 3, w.w);
+        accumulate(m4, w.x, 0);
+        accumulate(m4 + 1, w.y, 1 % kChainPartials);
+        accumulate(m4 + 2, w.z, 2 % kChainPartials);
+        accumulate(m4 + 3, w.w, 3 % kChainPartials);
       }
     }
+    float acc[kHalf];
+    for (int c = 0; c < kHalf; ++c)
+      acc[c] = kChainPartials == 4 ? (part[0][c] + part[1][c]) + (part[2 % kChainPartials][c] + part[3 % kChainPartials][c])
+                                   : part[0][c];
     stamp(kComputed);
     float* out = a.boundary + row * kState;
     for (int c = 0; c < kHalf; ++c) out[at(kk, col0 + c0 + c)] = acc[c];

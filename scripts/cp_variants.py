@@ -31,16 +31,17 @@ from flashqla_tune.plan import default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 
 # name: extra nvcc flags (measurement switches in csrc/gdn_cp.cuh and csrc/gdn_fwd_host.cuh:
+# FQT_CHAIN_PARTIALS=1 sums each chain output in one running sum instead of four;
 # FQT_CHAIN_FAST_EXIT=0 lets a chain CTA find its first exact boundary by walking the boundaries
 # one load after another; FQT_CHAIN_EARLY_TRIGGER=0 launches the forward pass only once the chain
 # has finished; FQT_CHAIN_SKIP=1 leaves the chain's work out, so its results are wrong by design:
 # the call's time without the chain). Earlier sessions measured the chain's column widths, the
 # jobs kernel's place, the forward pass's job order and the CP passes on the two-per-SM kernel;
-# the sixteenth, an exact boundary's H and M in two parts (docs/pending/cp-exact-parts.patch) and
-# the state pass and chain as programmatic dependents: docs/kernel-notes.md has the results.
-VARIANTS = {"product": (), "walk_exit": ("-DFQT_CHAIN_FAST_EXIT=0",),
-            "late_trigger": ("-DFQT_CHAIN_EARLY_TRIGGER=0",), "no_chain": ("-DFQT_CHAIN_SKIP=1",)}
-WRONG_BY_DESIGN = {"no_chain"}  # timed only: left out of the oracle summary
+# the sixteenth, an exact boundary's H and M in two parts (docs/pending/cp-exact-parts.patch), the
+# state pass and chain as programmatic dependents and the chain's M by bulk copies:
+# docs/kernel-notes.md has the results.
+VARIANTS = {"product": (), "one_sum": ("-DFQT_CHAIN_PARTIALS=1",)}
+WRONG_BY_DESIGN: set[str] = set()  # variants timed only (FQT_CHAIN_SKIP): left out of the oracle summary
 HEADS = [(16, 16), (2, 8), (8, 32), (8, 24)]
 # (heads index, seqlens, decay, warm-up table, forced segment length): exact and warm-up heads, a
 # guard that fails (weak decay), varlen with a tail off a multiple of 64

@@ -197,13 +197,17 @@ case "${1:-tests}" in
   cp-variants-x2)
     # on nvidia-h200-x2 (carry .whl-bench): on GPU 0 the CP launch variants and warm-up tables
     # (scripts/cp_variants.py); on GPU 1 at once the whole forward GPU module, its four groups
-    # side by side (nothing there is timed)
+    # side by side (nothing there is timed); with WITH_CLOCKS=1, then the chain's stage clocks
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
     CUDA_VISIBLE_DEVICES=0 timeout 500 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1 &
     for i in 0 1 2 3; do forward_group "$i" 1 500 & done
     wait
     collect_forward_groups
     grep -E "graph_ms|tables_ms|\"state\"|worst|Error" "$OUT/cp_variants.log" | cut -c1-400
+    if [ -n "${WITH_CLOCKS:-}" ]; then  # then the chain's stage clocks on the product (under a minute)
+      CUDA_VISIBLE_DEVICES=1 timeout 120 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks.log" 2>&1
+      grep -E "^==|chain clocks" "$OUT/chain_clocks.log" | head -n 40 | cut -c1-200
+    fi
     true ;;
   chain-clocks)
     # the exact chain's stage cycles per step (scripts/chain_clocks.py; a measurement build)
