@@ -121,8 +121,8 @@ def main(out_dir: str, tables: bool = False) -> int:
     for index, (hqk, hv) in enumerate(HEADS if tables else []):
         table = protocol_warmup_table(hv)
         warm_head = next(h for h, n in enumerate(table) if n > 0)
-        tables = {"protocol": table, "all_warm": tuple(max(table) if n < 0 else n for n in table),
-                  "all_exact": (-1,) * hv}
+        by_table = {"protocol": table, "all_warm": tuple(max(table) if n < 0 else n for n in table),
+                    "all_exact": (-1,) * hv}
         for label in TIMED[(hqk, hv)]:
             sets = make_rotation(Case(hqk, hv, parse_seqlens(label)), 2, "cuda")
             decaying = []
@@ -131,7 +131,7 @@ def main(out_dir: str, tables: bool = False) -> int:
                 g[..., [h for h, n in enumerate(table) if n < 0]] = g[..., warm_head:warm_head + 1]
                 decaying.append(dataclasses.replace(x, g=g))
             times = {}
-            for name, t_table in tables.items():
+            for name, t_table in by_table.items():
                 with running(entries["product"][index], plans[index]), torch.no_grad():
                     call = cp_call(plans[index], t_table)
                     t_sets = decaying if name == "all_warm" else sets

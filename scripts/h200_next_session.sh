@@ -34,8 +34,9 @@
 #                                                 on GPU 1 the prep variants and the CP time per segment length
 #                                                 of the 8192-token rows on 16/16 and 4/16
 #   bash scripts/h200_next_session.sh cp-variants-x2   on nvidia-h200-x2: scripts/cp_variants.py (the
-#                                                 CP launch's build variants, the warm-up tables) on
-#                                                 GPU 0, the whole forward GPU module on GPU 1
+#                                                 CP launch's build variants; TABLES=1: the warm-up
+#                                                 tables) on GPU 0, the whole forward GPU module on
+#                                                 GPU 1 (WITH_CLOCKS=1: then the chain's stage clocks)
 #   bash scripts/h200_next_session.sh pair-score-cp    on nvidia-h200-x2: both scoreboard halves, then the
 #                                                 host step and the CP GPU tests
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
@@ -195,11 +196,12 @@ case "${1:-tests}" in
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log"
     true ;;  # the summaries' greps may find nothing
   cp-variants-x2)
-    # on nvidia-h200-x2 (carry .whl-bench): on GPU 0 the CP launch variants and warm-up tables
-    # (scripts/cp_variants.py); on GPU 1 at once the whole forward GPU module, its four groups
-    # side by side (nothing there is timed); with WITH_CLOCKS=1, then the chain's stage clocks
+    # on nvidia-h200-x2 (carry .whl-bench): on GPU 0 the CP launch variants (scripts/cp_variants.py;
+    # with TABLES=1 also the warm-up tables' times); on GPU 1 at once the whole forward GPU module,
+    # its four groups side by side (nothing there is timed); with WITH_CLOCKS=1, then the chain's
+    # stage clocks
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 500 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout 500 python3 -P scripts/cp_variants.py "$OUT" ${TABLES:+--tables} > "$OUT/cp_variants.log" 2>&1 &
     for i in 0 1 2 3; do forward_group "$i" 1 500 & done
     wait
     collect_forward_groups
