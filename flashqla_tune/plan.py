@@ -175,7 +175,9 @@ def default_tiles(spec: GDNSpec) -> TileParams:
     16/32 0.336 -> 0.292, 0.462 -> 0.305, 0.120 -> 0.087 ms; 8/24 0.248 -> 0.218, 0.255 -> 0.229,
     0.066 -> 0.068; with four (8/32) 0.259 -> 0.261, 0.276 -> 0.271, 0.074 -> 0.079: 256 stay. (Those
     128-thread times are from three CTAs per SM; the fourth, since the fourteenth session, made them
-    2-8% faster again on 16/16, 16/32 and 8/24, and four v-heads have not been timed with it.)"""
+    2-8% faster again on 16/16, 16/32 and 8/24. With four CTAs per SM, four v-heads at 128 threads
+    were 3-6% faster on the long rows and 8-15% slower on 1024x8 (fifteenth session,
+    docs/gpu-logs/2026-11-30-v15a-prep_variants-four_heads_p128.json): 256 still stay.)"""
     return TileParams(stages=3, prep_threads=128 if spec.num_v_heads <= 3 * spec.num_qk_heads else 256)
 
 
