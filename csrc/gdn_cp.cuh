@@ -77,7 +77,7 @@ struct CpPlanArgs {
   int32_t* fwd_order;             // [S]: the forward pass's unchained CTA z runs job row fwd_order[z]
   float* boundary;                // [S, Hv, state]: the start state of segment z (z not first)
   float* h_end;                   // [S, Hv, state]: H of the segment before boundary z
-  float* m_end;                   // [S, Hv, K, K]: M of the segment before boundary z
+  float* m_end;                   // [S, Hv, K, K]: M of the segment before boundary z, m-major
   int64_t total_tokens;
   int64_t num_seqs;
   int64_t num_segments;           // S
@@ -282,11 +282,11 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
 // sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
 // CTAs of one head need no ordering between them, and each output element sums over m in the same
 // order whatever Columns is (bitwise the same for 4, 8 or 16).
-// The chain is a latency-bound walk. Each step's M (64 KB fp32) goes to shared memory by 16-byte
-// cp.async while the previous step computes (two buffers), and the step's H comes into registers
-// during the previous step too. Shared rows keep their 16-byte chunks XOR-swizzled by the row
-// index (slot c ^ (row & 7)), so an 8-thread phase of a float4 read along a row, or a 32-thread
-// scalar read down a column, touches every bank once. Each output element sums its 128 products
+// The chain is a latency-bound walk. Each step's M (64 KB fp32) goes to shared memory by one bulk
+// copy while the previous step computes (two buffers), and the step's H comes into registers
+// during the previous step too. M comes m-major whatever the state layout (the state pass stores it
+// so), so a warp's scalar read down one of its columns is contiguous, touches every bank once and
+// needs no swizzle, while the warp's read of prev at the same m stays a broadcast. Each output element sums its 128 products
 // in four running sums (m mod 4), which shortens the dependent chain of FMAs that held half of a
 // step's 6000 cycles (docs/kernel-notes.md, sixteenth session). A step's result stays in shared
 // memory as the next step's input when the next boundary is exact too.
@@ -318,13 +318,8 @@ static_assert(kChainPartials == 1 || kChainPartials == 4, "one running sum, or f
 
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
-  return int(sizeof(float)) * (2 * K * K + K * Columns);  // two M buffers, the start state
-}
-
-// Word offset of element `col` of shared row `row` (rows of K words, 16-byte chunks swizzled).
-template <int K>
-__device__ __forceinline__ int chain_swizzled(int row, int col) {
-  return row * K + ((((col >> 2) ^ (row & 7))) << 2) + (col & 3);
+  // two M buffers, the start state, the buffers' barriers
+  return int(sizeof(float)) * (2 * K * K + K * Columns) + 2 * int(sizeof(uint64_t));
 }
 
 template <int Hv, int K, int V, bool VFirst, int Columns>
@@ -333,9 +328,11 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   static_assert(Columns == 4 || Columns % 8 == 0, "each thread's half of the columns is read as float2 or float4");
   constexpr int kHalf = Columns / 2;
   constexpr int64_t kState = int64_t(K) * V;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   extern __shared__ __align__(16) float chain_smem[];
-  float* m_buf = chain_smem;                       // [2][K][K], swizzled rows
+  float* m_buf = chain_smem;                       // [2][K][K], M m-major as in global memory
   float* prev = chain_smem + 2 * K * K;            // [K][Columns]
+  uint64_t* filled = reinterpret_cast<uint64_t*>(prev + K * Columns);  // [2]: buffer b's M has landed
   // The forward pass may launch now: its unchained jobs need nothing from here, and its chained
   // ones wait for this grid to finish (every chain CTA is resident or done before it starts).
   if (FQT_CHAIN_EARLY_TRIGGER) allow_dependent_launch();
@@ -346,6 +343,12 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   const int kk = threadIdx.x % K;                  // the state row this thread computes
   const int c0 = (threadIdx.x / K) * kHalf;        // its first column within the CTA's
   auto at = [](int64_t r, int64_t c) -> int64_t { return VFirst ? c * K + r : r * V + c; };  // (k, v) element
+  if (threadIdx.x == 0) {
+    Barrier::init(&filled[0], 1);
+    Barrier::init(&filled[1], 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  if (!FQT_CHAIN_FAST_EXIT) __syncthreads();  // otherwise the exit test's barrier below
   const int64_t first = a.seq_first[i];
   const int32_t n = a.seq_count[i];
   auto exact_at = [&](int32_t j) { return first + j < a.num_segments && a.exact[(first + j) * Hv + hv]; };
@@ -361,20 +364,21 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     for (int32_t b = 1 + int32_t(threadIdx.x); b < n; b += kChainThreads) any = any || exact_at(b);
     if (!__syncthreads_or(any)) return;
   }
-  // M (k, m) lies where a state's (k, v = m) does. Shared row r holds global row r: M's row k
-  // (k-major states) or its column m (VFirst), 16 bytes per cp.async, consecutive threads along a
-  // row. (One bulk copy per row, issued by one warp and completing on an mbarrier, took about
-  // 15000 cycles a step to issue on the H200: docs/kernel-notes.md, sixteenth session.)
+  // M lies m-major, (k, m) at m K + k, in global memory as in shared: shared row m is M's column
+  // m. The whole 64 KB comes by one bulk copy that one thread issues, completing on the buffer's
+  // barrier. (4096 cp.async of 16 bytes stalled their
+  // issue for 2300 of a step's 6000 cycles, and one bulk copy per row took 15000 to issue:
+  // docs/kernel-notes.md, sixteenth session.)
   auto fill = [&](int32_t j, int buf) {
-    const float* m = a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K;
-    float* dst = m_buf + buf * K * K;
-    for (int e = threadIdx.x; e < K * K / 4; e += kChainThreads) {
-      const int r = e / (K / 4), c = 4 * (e % (K / 4));
-      cute::SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(
-          *reinterpret_cast<const cute::uint128_t*>(m + 4 * int64_t(e)),
-          *reinterpret_cast<cute::uint128_t*>(dst + chain_swizzled<K>(r, c)));
+    if (threadIdx.x == 0) {
+      // the buffer's last readers passed the barrier that closed the previous step: order their
+      // generic reads before the copy's async-proxy writes
+      cutlass::arch::fence_view_async_shared();
+      constexpr uint32_t kBytes = uint32_t(sizeof(float)) * K * K;
+      Barrier::arrive_and_expect_tx(&filled[buf], kBytes);
+      cute::SM90_BULK_COPY_G2S::copy(a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K, &filled[buf],
+                                     m_buf + buf * K * K, int32_t(kBytes));
     }
-    cute::cp_async_fence();
   };
   auto load_h = [&](int32_t j, float (&h)[kHalf]) {
     const float* src = a.h_end + ((first + j) * Hv + hv) * kState;
@@ -396,6 +400,7 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   float h_cur[kHalf];
   load_h(j, h_cur);
   int buf = 0;
+  uint32_t phases = 0u;  // bit b: the parity buffer b's barrier completes next
   int32_t last = -1;  // the boundary whose result `prev` holds
   while (j < n) {
     const int64_t row = (first + j) * Hv + hv;
@@ -406,11 +411,8 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
       load_h(following, h_next);
     }
     stamp(kIssued);
-    if (following < n) {
-      cute::cp_async_wait<1>();  // the barrier below orders the shared-memory reads after it
-    } else {
-      cute::cp_async_wait<0>();
-    }
+    mbarrier_wait(&filled[buf], (phases >> buf) & 1u);
+    phases ^= 1u << buf;
     stamp(kFilled);
     if (last != j - 1) {  // segment j - 1 starts from h0, a warm-up state or zeros: read it
       const float* s_prev = a.jobs_fwd[row - Hv].h0;
@@ -451,20 +453,10 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
         }
       }
     };
-    if constexpr (VFirst) {  // shared row mm is M's column mm: a scalar read down it
-      for (int m8 = 0; m8 < K; m8 += 8) {
+    // shared row mm is M's column mm (stored m-major by the state pass): a scalar read down it
+    for (int m8 = 0; m8 < K; m8 += 8) {
 #pragma unroll
-        for (int u = 0; u < 8; ++u) accumulate(m8 + u, mb[chain_swizzled<K>(m8 + u, kk)], u % kChainPartials);
-      }
-    } else {                 // shared row kk is M's row kk: float4 reads along it
-#pragma unroll 2
-      for (int m4 = 0; m4 < K; m4 += 4) {
-        const float4 w = *reinterpret_cast<const float4*>(mb + chain_swizzled<K>(kk, m4));
-        accumulate(m4, w.x, 0);
-        accumulate(m4 + 1, w.y, 1 % kChainPartials);
-        accumulate(m4 + 2, w.z, 2 % kChainPartials);
-        accumulate(m4 + 3, w.w, 3 % kChainPartials);
-      }
+      for (int u = 0; u < 8; ++u) accumulate(m8 + u, mb[(m8 + u) * K + kk], u % kChainPartials);
     }
     float acc[kHalf];
     for (int c = 0; c < kHalf; ++c)

@@ -4,7 +4,9 @@ graph-replay time of the calibrated column's call (the protocol's warm-up table,
 segment lengths) on the rows CP splits, and the GPU time per kernel (prep, jobs, state pass, chain,
 forward pass) on a few.
 A variant is a set of extra nvcc flags (measurement switches in csrc/gdn_fwd_host.cuh and
-csrc/gdn_cp.cuh); "product" is what the defaults build.
+csrc/gdn_cp.cuh); "product" is what the defaults build. With FQT_BASE_CSRC=DIR (a copy of an
+older commit's csrc/, carried to the device), "base" is that tree built with the defaults: a
+change that has no switch timed beside the tree before it.
 
     python -P scripts/cp_variants.py OUT_DIR [--tables]     (scripts/h200_next_session.sh cp-variants-x2)
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -23,6 +26,7 @@ sys.path.insert(0, "tests")
 from test_gpu_forward import make_case, reference, run_ours  # noqa: E402
 
 from flashqla_tune import runtime  # noqa: E402
+from flashqla_tune.build import BuildConfig  # noqa: E402
 from flashqla_tune.bench.cases import Case, parse_seqlens  # noqa: E402
 from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table  # noqa: E402
 from flashqla_tune.bench.timing import CudaTimer, kernel_ms_per_call  # noqa: E402
@@ -40,7 +44,7 @@ from flashqla_tune.spec import GDNSpec  # noqa: E402
 # the sixteenth, an exact boundary's H and M in two parts (docs/pending/cp-exact-parts.patch), the
 # state pass and chain as programmatic dependents and the chain's M by bulk copies:
 # docs/kernel-notes.md has the results.
-VARIANTS = {"product": (), "one_sum": ("-DFQT_CHAIN_PARTIALS=1",)}
+VARIANTS = {"product": ()}
 WRONG_BY_DESIGN: set[str] = set()  # variants timed only (FQT_CHAIN_SKIP): left out of the oracle summary
 HEADS = [(16, 16), (2, 8), (8, 32), (8, 24)]
 # (heads index, seqlens, decay, warm-up table, forced segment length): exact and warm-up heads, a
@@ -75,7 +79,12 @@ def cp_call(plan, table):
 
 def main(out_dir: str, tables: bool = False) -> int:
     plans = [default_plan(GDNSpec(hqk, hv)) for hqk, hv in HEADS]
-    entries = build_variants(plans, {name: ("-DNDEBUG",) + flags for name, flags in VARIANTS.items()})
+    builds = {name: ("-DNDEBUG",) + flags for name, flags in VARIANTS.items()}
+    base_csrc = os.environ.get("FQT_BASE_CSRC")
+    if base_csrc:
+        VARIANTS["base"] = (f"csrc={base_csrc}",)
+        builds["base"] = BuildConfig(csrc=base_csrc, extra_flags=("-DNDEBUG",))
+    entries = build_variants(plans, builds)
     result = {"gpu": torch.cuda.get_device_name(), "variants": VARIANTS, "checks": [], "graph_ms": [], "kernel_us": []}
     first = {}
     for c, (index, seqlens, decay, table, length) in enumerate(CHECKS):

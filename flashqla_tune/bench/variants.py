@@ -17,10 +17,12 @@ from .accuracy import rel_l2
 from .timing import kernel_ms_per_call
 
 
-def build_variants(plans: list[KernelPlan], flags: dict[str, tuple[str, ...]]) -> dict[str, list]:
-    """{variant: [cache entry per plan]}, every variant built with its extra nvcc flags; the
-    variants build at once (nvcc runs in subprocesses)."""
-    configs = {name: BuildConfig(extra_flags=tuple(extra)) for name, extra in flags.items()}
+def build_variants(plans: list[KernelPlan], flags: dict[str, tuple[str, ...] | BuildConfig]) -> dict[str, list]:
+    """{variant: [cache entry per plan]}, every variant built with its extra nvcc flags (or its whole
+    BuildConfig, e.g. another csrc/ folder to time an older tree beside this one); the variants
+    build at once (nvcc runs in subprocesses)."""
+    configs = {name: extra if isinstance(extra, BuildConfig) else BuildConfig(extra_flags=tuple(extra))
+               for name, extra in flags.items()}
     with ThreadPoolExecutor(max(1, len(configs))) as pool:
         built = pool.map(lambda config: cache.get_kernels(plans, config=config), configs.values())
         return dict(zip(configs, built))
