@@ -60,6 +60,22 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
+// Measurement switch (scripts/prep_variants.py); products build with the default. 1: P's octets
+// and the normalised q/k quartets leave by one 16- or 8-byte store each. Written as uint4 / uint2
+// assignments, nvcc 13.0 splits them into 4-byte stores (no st.global.v4 in the PTX), and Nsight
+// Compute counts those P stores as 59-61% of the prep's global sectors excessive (a warp's store
+// touches 16 sectors for 128 bytes; seventeenth session).
+#ifndef FQT_PREP_WIDE_STORES
+#define FQT_PREP_WIDE_STORES 0
+#endif
+
+__device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void store_global_8(void* dst, uint32_t a, uint32_t b) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(dst), "r"(a), "r"(b) : "memory");
+}
+
 // Offset of Q K^T[i][j] in its fp32 tile: padded rows in a tile of its own (256 threads), or, with
 // 128 threads (PrepConfig::QkInQ), in the q tile's 16 KB once the GEMMs have read q: unpadded rows
 // whose 16-byte pieces are XOR-swizzled by row, so the accumulator stores and the row reads stay
@@ -100,7 +116,11 @@ __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const fl
     CUTE_UNROLL
     for (int u = 0; u < 4; ++u) w[u] = pack2<Elem>(pv[2 * u], pv[2 * u + 1]);
   }
-  *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
+  if (FQT_PREP_WIDE_STORES) {
+    store_global_16(p + i * kChunk + j0, w[0], w[1], w[2], w[3]);
+  } else {
+    *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 // Column c of X = (I + L)^-1 as the tensor-core solve leaves it (row c of K K^T's upper triangle,
@@ -385,10 +405,15 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         // Packed 8-byte stores: nvcc 13.0 lowered a byte-wise memcpy of these 16-bit elements
         // into float-to-integer conversions (F2I.U8.F16 in the SASS), corrupting the copy.
         const int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d0;
-        *reinterpret_cast<uint2*>(static_cast<Elem*>(args.q_normed) + off) =
-            make_uint2(pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
-        *reinterpret_cast<uint2*>(static_cast<Elem*>(args.k_normed) + off) =
-            make_uint2(pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
+        if (FQT_PREP_WIDE_STORES) {
+          store_global_8(static_cast<Elem*>(args.q_normed) + off, pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
+          store_global_8(static_cast<Elem*>(args.k_normed) + off, pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
+        } else {
+          *reinterpret_cast<uint2*>(static_cast<Elem*>(args.q_normed) + off) =
+              make_uint2(pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
+          *reinterpret_cast<uint2*>(static_cast<Elem*>(args.k_normed) + off) =
+              make_uint2(pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
+        }
       }
       cutlass::arch::fence_view_async_shared();  // generic stores, read by wgmma (async proxy)
     }

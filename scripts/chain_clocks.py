@@ -6,9 +6,13 @@ row after a warm-up call, on the calibrated column's table; the product's result
 (the build only adds clock reads and prints).
 
     python -P scripts/chain_clocks.py          (scripts/h200_next_session.sh chain-clocks)
+
+CHAIN_CLOCK_FLAGS="-DNAME=VALUE ..." adds nvcc flags to the measurement build (a variant's
+switches, e.g. -DFQT_CHAIN_H_VMAJOR=1).
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -26,7 +30,8 @@ ROWS = [((16, 16), "1x8192"), ((16, 16), "1x32768"), ((2, 8), "1x32768")]
 def main() -> int:
     heads = sorted({h for h, _ in ROWS})
     plans = {h: default_plan(GDNSpec(*h)) for h in heads}
-    entries = build_variants(list(plans.values()), {"clocks": ("-DNDEBUG", "-DFQT_CHAIN_CLOCKS=1")})["clocks"]
+    extra = tuple(os.environ.get("CHAIN_CLOCK_FLAGS", "").split())
+    entries = build_variants(list(plans.values()), {"clocks": ("-DNDEBUG", "-DFQT_CHAIN_CLOCKS=1", *extra)})["clocks"]
     by_heads = dict(zip(plans, entries))
     for (hqk, hv), label in ROWS:
         plan, table = plans[(hqk, hv)], protocol_warmup_table(hv)
