@@ -285,11 +285,13 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
 // order whatever Columns is (bitwise the same for 4, 8 or 16).
 // The chain is a latency-bound walk. Each step's M (64 KB fp32) goes to shared memory by one bulk
 // copy while the previous step computes (two buffers), and the step's H comes into registers
-// during the previous step too. M comes m-major whatever the state layout (the state pass stores it
-// so), so a warp's scalar read down one of its columns is contiguous, touches every bank once and
-// needs no swizzle, while the warp's read of prev at the same m stays a broadcast. Each output element sums its 128 products
-// in four running sums (m mod 4), which shortens the dependent chain of FMAs that held half of a
-// step's 6000 cycles (docs/kernel-notes.md, sixteenth session). A step's result stays in shared
+// during the previous step too. M comes m-major whatever the state layout (the state pass stores
+// it so), so a warp's scalar read down one of its columns is contiguous, touches every bank once
+// and needs no swizzle, while the warp's read of prev at the same m stays a broadcast (a first
+// form that read k-major rows from rotated starts lost that broadcast and took a step's product
+// from 2300 to 9400 cycles: docs/kernel-notes.md, seventeenth session). Each output element sums
+// its 128 products in four running sums (m mod 4), which shortens the dependent chain of FMAs
+// that held half of a step's 6000 cycles (sixteenth session). A step's result stays in shared
 // memory as the next step's input when the next boundary is exact too.
 constexpr int kChainThreads = 256;   // two threads per state row (K = 128), each half the columns
 
