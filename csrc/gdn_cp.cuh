@@ -31,7 +31,8 @@
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cub/block/block_scan.cuh>
-#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>  // SM90_BULK_COPY_G2S: the chain's M
+#include <cutlass/arch/barrier.h>
 #include <stdint.h>
 
 #include "gdn_grid_sync.cuh"
@@ -369,9 +370,8 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   }
   // M lies m-major, (k, m) at m K + k, in global memory as in shared: shared row m is M's column
   // m. The whole 64 KB comes by one bulk copy that one thread issues, completing on the buffer's
-  // barrier. (4096 cp.async of 16 bytes stalled their
-  // issue for 2300 of a step's 6000 cycles, and one bulk copy per row took 15000 to issue:
-  // docs/kernel-notes.md, sixteenth session.)
+  // barrier. (4096 cp.async of 16 bytes stalled their issue for 2300 of a step's 6000 cycles, and
+  // one bulk copy per row took 15000 to issue: docs/kernel-notes.md, sixteenth session.)
   auto fill = [&](int32_t j, int buf) {
     if (threadIdx.x == 0) {
       // the buffer's last readers passed the barrier that closed the previous step: order their
