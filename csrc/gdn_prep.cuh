@@ -69,6 +69,27 @@ constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 #define FQT_PREP_WIDE_STORES 0
 #endif
 
+// Measurement switch (scripts/prep_variants.py); products build with the default. 1: a call of up
+// to kPrepSeqCache sequences keeps cu_seqlens in shared memory, so decoding an item (a binary
+// search over the offsets, then its sequence's two) reads shared memory instead of waiting on
+// dependent global loads, which held about 9% of the 16/16 1024x8 prep's stall samples (Nsight
+// Compute, seventeenth session).
+#ifndef FQT_PREP_SEQ_CACHE
+#define FQT_PREP_SEQ_CACHE 0
+#endif
+constexpr int kPrepSeqCache = 128;
+// The decoders take the offsets' place only with the switch on: a parameter that the product
+// leaves unused still moved ptxas's schedule of the spilling 8/24 prep.
+#if FQT_PREP_SEQ_CACHE
+#define FQT_PREP_CU_PARAM , const int64_t* cu
+#define FQT_PREP_CU_ARG , cu
+#define FQT_PREP_OFFSETS cu
+#else
+#define FQT_PREP_CU_PARAM
+#define FQT_PREP_CU_ARG
+#define FQT_PREP_OFFSETS a.cu_seqlens
+#endif
+
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
@@ -185,7 +206,9 @@ struct PrepConfig {
       }
     }
   };
-  static constexpr int SmemBytes = int(sizeof(SharedStorage));
+  // FQT_PREP_SEQ_CACHE: the offsets follow the storage (outside it, so the product's layout stays)
+  static constexpr int SeqCacheBytes = FQT_PREP_SEQ_CACHE != 0 ? int(sizeof(int64_t)) * (kPrepSeqCache + 1) : 0;
+  static constexpr int SmemBytes = int(sizeof(SharedStorage)) + SeqCacheBytes;
   static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
 };
 
@@ -220,18 +243,20 @@ struct PrepItem {
   bool valid;
 };
 
+// With FQT_PREP_SEQ_CACHE, cu is where the kernel keeps the call's offsets (shared memory for
+// calls of up to kPrepSeqCache sequences, else cu_seqlens itself).
 template <int Hqk, class Args>
-__device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item) {
+__device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item FQT_PREP_CU_PARAM) {
   PrepItem it;
   it.hqk = int(item % Hqk);
   const int64_t rest = item / Hqk;
   if (a.order == kChunkMajor) {
     const int64_t seq = rest % a.num_seqs;
-    it.range = sequence_range(a.cu_seqlens, seq, a.total_tokens);
+    it.range = sequence_range(FQT_PREP_OFFSETS, seq, a.total_tokens);
     it.chunk = rest / a.num_seqs;
   } else {
-    const int64_t seq = sequence_of_slot(a.cu_seqlens, rest, a.num_seqs, a.total_tokens);
-    it.range = sequence_range(a.cu_seqlens, seq, a.total_tokens);
+    const int64_t seq = sequence_of_slot(FQT_PREP_OFFSETS, rest, a.num_seqs, a.total_tokens);
+    it.range = sequence_range(FQT_PREP_OFFSETS, seq, a.total_tokens);
     it.chunk = rest - it.range.slot0;
   }
   it.valid = it.chunk >= 0 && it.chunk < it.range.num_chunks();
@@ -243,9 +268,9 @@ __device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item) {
 // left). Callers decode it again with prep_item (a few cached cu_seqlens loads): carrying the
 // decoded item across the solve instead costs registers and made ptxas spill.
 template <int Hqk, class Args>
-__device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item) {
+__device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item FQT_PREP_CU_PARAM) {
   for (; item < a.num_items; item += gridDim.x)
-    if (prep_item<Hqk>(a, item).valid) break;
+    if (prep_item<Hqk>(a, item FQT_PREP_CU_ARG).valid) break;
   return item < a.num_items ? item : a.num_items;
 }
 
@@ -274,6 +299,14 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
   }
+#if FQT_PREP_SEQ_CACHE
+  const int64_t* cu = args.cu_seqlens;  // where items are decoded from
+  if (args.num_seqs <= kPrepSeqCache) {
+    int64_t* offsets = reinterpret_cast<int64_t*>(smem_raw + sizeof(typename Cfg::SharedStorage));
+    for (int64_t s = tid; s <= args.num_seqs; s += Threads) offsets[s] = args.cu_seqlens[s];
+    cu = offsets;
+  }
+#endif
   __syncthreads();
 
   Tensor mQ = args.tma_q.get_tma_tensor(make_shape(int32_t(T), int32_t(Hqk * HeadK)));
@@ -340,15 +373,15 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     }
   };
 
-  int64_t item = next_valid_item<Hqk>(args, blockIdx.x);
+  int64_t item = next_valid_item<Hqk>(args, blockIdx.x FQT_PREP_CU_ARG);
   if (item < args.num_items) {
-    const PrepItem first = prep_item<Hqk>(args, item);
+    const PrepItem first = prep_item<Hqk>(args, item FQT_PREP_CU_ARG);
     if (tid == 0) issue_loads(first, true);
     prefetch_gates(first);
   }
   for (uint32_t phase = 0u; item < args.num_items; phase ^= 1u) {
-    const PrepItem it = prep_item<Hqk>(args, item);
-    const int64_t next = next_valid_item<Hqk>(args, item + gridDim.x);
+    const PrepItem it = prep_item<Hqk>(args, item FQT_PREP_CU_ARG);
+    const int64_t next = next_valid_item<Hqk>(args, item + gridDim.x FQT_PREP_CU_ARG);
     const int64_t slot = it.slot;
     const int hqk = it.hqk;
     const int64_t tok0 = it.range.start + it.chunk * kChunk;
@@ -470,7 +503,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     // The tiles and the gate buffers are free now (the GEMMs and step 0 were their last readers):
     // the next item's loads run during the solve.
     if (next < args.num_items) {
-      const PrepItem upcoming = prep_item<Hqk>(args, next);
+      const PrepItem upcoming = prep_item<Hqk>(args, next FQT_PREP_CU_ARG);
       if (tid == 0) issue_loads(upcoming, !Cfg::QkInQ);
       prefetch_gates(upcoming);
     }
@@ -612,7 +645,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           if (hb + HeadBatch >= G && h_hi == nb && ptid >= 0) {
             cutlass::arch::fence_view_async_shared();
             asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
-            if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next));
+            if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next FQT_PREP_CU_ARG));
           }
         }
         if constexpr (kAwByAll) {

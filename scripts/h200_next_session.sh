@@ -221,9 +221,9 @@ case "${1:-tests}" in
     # the product and of the switched build
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
     CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1 &
-    (CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
-     CUDA_VISIBLE_DEVICES=1 timeout 90 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks.log" 2>&1
-     CUDA_VISIBLE_DEVICES=1 CHAIN_CLOCK_FLAGS="${CHAIN_CLOCK_FLAGS:--DFQT_CHAIN_H_VMAJOR=1}" timeout 90 \
+    (CUDA_VISIBLE_DEVICES=1 timeout 330 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
+     CUDA_VISIBLE_DEVICES=1 timeout 80 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks.log" 2>&1
+     CUDA_VISIBLE_DEVICES=1 CHAIN_CLOCK_FLAGS="${CHAIN_CLOCK_FLAGS:--DFQT_CHAIN_H_VMAJOR=1}" timeout 80 \
        python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks_switched.log" 2>&1) &
     wait
     grep -E "graph_ms|worst|Error" "$OUT/cp_variants.log" | cut -c1-300
