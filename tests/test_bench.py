@@ -296,6 +296,28 @@ def test_build_variants_builds_each_variant_with_its_own_flags(monkeypatch):
     assert entries["b"] == [f"entry {p.name} -DX=1 -DY=1" for p in plans]
 
 
+
+def test_build_variants_takes_a_whole_build_config_for_an_older_tree(monkeypatch, tmp_path):
+    """scripts/cp_variants.py's FQT_BASE_CSRC: a variant given as a BuildConfig (another csrc/)
+    builds with that config as is, beside variants given as flags."""
+    from flashqla_tune.bench import variants
+    from flashqla_tune.build import BuildConfig
+    from flashqla_tune.plan import default_plan
+    from flashqla_tune.spec import GDNSpec
+
+    configs = []
+
+    def recording_get_kernels(plans, config=None):  # test double: records instead of running nvcc
+        configs.append(config)
+        return [config.csrc_dir for _ in plans]
+
+    monkeypatch.setattr(variants.cache, "get_kernels", recording_get_kernels)
+    older = BuildConfig(csrc=tmp_path, extra_flags=("-DNDEBUG",))
+    entries = variants.build_variants([default_plan(GDNSpec(2, 8))], {"product": ("-DNDEBUG",), "base": older})
+    assert older in configs and len(configs) == 2
+    assert entries["base"] == [tmp_path.resolve()]
+    assert entries["product"] != entries["base"]
+
 def test_running_a_variant_restores_the_runtime_lookup_even_on_error(monkeypatch):
     from types import SimpleNamespace
 
