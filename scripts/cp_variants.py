@@ -81,19 +81,20 @@ def cp_call(plan, table):
 
 def main(out_dir: str, tables: bool = False) -> int:
     plans = [default_plan(GDNSpec(hqk, hv)) for hqk, hv in HEADS]
-    builds = {name: ("-DNDEBUG",) + flags for name, flags in VARIANTS.items()}
+    variants = dict(VARIANTS)  # what this run builds: VARIANTS, and "base" with FQT_BASE_CSRC
+    builds = {name: ("-DNDEBUG",) + flags for name, flags in variants.items()}
     base_csrc = os.environ.get("FQT_BASE_CSRC")
     if base_csrc:
-        VARIANTS["base"] = (f"csrc={base_csrc}",)
+        variants["base"] = (f"csrc={base_csrc}",)
         builds["base"] = BuildConfig(csrc=base_csrc, extra_flags=("-DNDEBUG",))
     entries = build_variants(plans, builds)
-    result = {"gpu": torch.cuda.get_device_name(), "variants": VARIANTS, "checks": [], "graph_ms": [], "kernel_us": []}
+    result = {"gpu": torch.cuda.get_device_name(), "variants": variants, "checks": [], "graph_ms": [], "kernel_us": []}
     first = {}
     for c, (index, seqlens, decay, table, length) in enumerate(CHECKS):
         hqk, hv = HEADS[index]
         inp = make_case(31 + c, seqlens, hqk, hv, torch.bfloat16, decay, True, False)
         ref_o, ref_s = reference(inp, False)
-        for name in VARIANTS:
+        for name in variants:
             with running(entries[name][index], plans[index]), torch.no_grad():
                 o, s = run_ours(inp, False, plan=plans[index], warmup=table, segment_lengths=(length,) * 32)
                 torch.cuda.synchronize()
@@ -108,7 +109,7 @@ def main(out_dir: str, tables: bool = False) -> int:
         for label in TIMED[(hqk, hv)]:
             sets = make_rotation(Case(hqk, hv, parse_seqlens(label)), 2, "cuda")
             times = {}
-            for name in VARIANTS:
+            for name in variants:
                 with running(entries[name][index], plans[index]), torch.no_grad():
                     call = cp_call(plans[index], table)
                     timer.warmup(call, sets, rounds=1)
