@@ -77,7 +77,7 @@ struct CpPlanArgs {
   int32_t* exact;                 // [S, Hv]: 1 if boundary z is chained exactly
   int32_t* fwd_order;             // [S]: the forward pass's unchained CTA z runs job row fwd_order[z]
   float* boundary;                // [S, Hv, state]: the start state of segment z (z not first)
-  float* h_end;                   // [S, Hv, state]: H of the segment before boundary z (v-major with FQT_CHAIN_H_VMAJOR)
+  float* h_end;                   // [S, Hv, state]: H of the segment before boundary z
   float* m_end;                   // [S, Hv, K, K]: M of the segment before boundary z, m-major
   int64_t total_tokens;
   int64_t num_seqs;
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
       if (!warm) {  // the previous segment's H and M; the chain kernel combines them
         const int64_t p0 = c0 - L;
         h_job = CpJob{r.start + p0 * kChunk, L * kChunk, r.slot0 + p0, nullptr, a.h_end + row * kState,
-                      kJobNoOutput | (FQT_CHAIN_H_VMAJOR ? kJobChainLayout : 0), 0};
+                      kJobNoOutput, 0};
         m_job = CpJob{r.start + p0 * kChunk, L * kChunk, r.slot0 + p0, nullptr, a.m_end + row * int64_t(K) * K,
                       kJobIdentityState | kJobZeroV | kJobNoOutput, 0};
         exact = true;
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   };
   auto load_h = [&](int32_t j, float (&h)[kHalf]) {
     const float* src = a.h_end + ((first + j) * Hv + hv) * kState;
-    for (int c = 0; c < kHalf; ++c) h[c] = src[FQT_CHAIN_H_VMAJOR ? (col0 + c0 + c) * int64_t(K) + kk : at(kk, col0 + c0 + c)];
+    for (int c = 0; c < kHalf; ++c) h[c] = src[at(kk, col0 + c0 + c)];
   };
   int32_t j = next_exact(1);
   if (j >= n) return;

@@ -661,11 +661,10 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   // Looked up again here rather than kept in registers across the loop.
   float* state_out = const_cast<float*>(state_pointer<Cfg>(p, p.final_state, hv, true));
   if (state_out) {
-    // A state only the exact chain reads (a transition M, identity start; with FQT_CHAIN_H_VMAJOR
-    // also an H, kJobChainLayout) is stored v-major, (k, v) at v K + k, whatever the state layout:
-    // the chain reads M down its columns by one bulk copy per step (gdn_cp.cuh).
-    const bool v_major = StateOnly && ((job_flags & kJobIdentityState) ||
-                                       (FQT_CHAIN_H_VMAJOR && (job_flags & kJobChainLayout)));
+    // A state only the exact chain reads (a transition M, identity start) is stored v-major,
+    // (k, v) at v K + k, whatever the state layout: the chain reads M down its columns by one bulk
+    // copy per step (gdn_cp.cuh).
+    const bool v_major = StateOnly && (job_flags & kJobIdentityState);
     CUTE_UNROLL
     for (int e = 0; e < size(accS); ++e) {
       const int vv = get<0>(crdS(e)), kk = get<1>(crdS(e));

@@ -60,35 +60,16 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
-// Measurement switch (scripts/prep_variants.py); products build with the default. 1: P's octets
-// and the normalised q/k quartets leave by one 16- or 8-byte store each. Written as uint4 / uint2
-// assignments, nvcc 13.0 splits them into 4-byte stores (no st.global.v4 in the PTX), and Nsight
-// Compute counts those P stores as 59-61% of the prep's global sectors excessive (a warp's store
-// touches 16 sectors for 128 bytes; seventeenth session).
-#ifndef FQT_PREP_WIDE_STORES
-#define FQT_PREP_WIDE_STORES 0
-#endif
-
-// Measurement switch (scripts/prep_variants.py); products build with the default. 1: a call of up
-// to kPrepSeqCache sequences keeps cu_seqlens in shared memory, so decoding an item (a binary
-// search over the offsets, then its sequence's two) reads shared memory instead of waiting on
-// dependent global loads, which held about 9% of the 16/16 1024x8 prep's stall samples (Nsight
-// Compute, seventeenth session).
-#ifndef FQT_PREP_SEQ_CACHE
-#define FQT_PREP_SEQ_CACHE 0
-#endif
+// P's octets and the normalised q/k quartets leave by one 16- or 8-byte store each. Written as
+// uint4 / uint2 assignments, nvcc 13.0 split them into 4-byte stores, and Nsight Compute counted
+// those P stores as 59-61% of the prep's global sectors excessive (seventeenth session; the inline
+// PTX below is STG.E.128 / STG.E.64 in the SASS).
+//
+// A call of up to kPrepSeqCache sequences decodes its items from a shared-memory copy of
+// cu_seqlens: the binary search over the offsets otherwise waits on dependent global loads, which
+// held about 9% of the 16/16 1024x8 prep's stall samples. Both together: the prep 2.4% faster
+// (geomean of 12 rows, bitwise the same; eighteenth session, docs/kernel-notes.md).
 constexpr int kPrepSeqCache = 128;
-// The decoders take the offsets' place only with the switch on: a parameter that the product
-// leaves unused still moved ptxas's schedule of the spilling 8/24 prep.
-#if FQT_PREP_SEQ_CACHE
-#define FQT_PREP_CU_PARAM , const int64_t* cu
-#define FQT_PREP_CU_ARG , cu
-#define FQT_PREP_OFFSETS cu
-#else
-#define FQT_PREP_CU_PARAM
-#define FQT_PREP_CU_ARG
-#define FQT_PREP_OFFSETS a.cu_seqlens
-#endif
 
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -137,11 +118,7 @@ __device__ __forceinline__ void store_p_octet(Elem* p, const float* qk, const fl
     CUTE_UNROLL
     for (int u = 0; u < 4; ++u) w[u] = pack2<Elem>(pv[2 * u], pv[2 * u + 1]);
   }
-  if (FQT_PREP_WIDE_STORES) {
-    store_global_16(p + i * kChunk + j0, w[0], w[1], w[2], w[3]);
-  } else {
-    *reinterpret_cast<uint4*>(p + i * kChunk + j0) = make_uint4(w[0], w[1], w[2], w[3]);
-  }
+  store_global_16(p + i * kChunk + j0, w[0], w[1], w[2], w[3]);
 }
 
 // Column c of X = (I + L)^-1 as the tensor-core solve leaves it (row c of K K^T's upper triangle,
@@ -206,8 +183,8 @@ struct PrepConfig {
       }
     }
   };
-  // FQT_PREP_SEQ_CACHE: the offsets follow the storage (outside it, so the product's layout stays)
-  static constexpr int SeqCacheBytes = FQT_PREP_SEQ_CACHE != 0 ? int(sizeof(int64_t)) * (kPrepSeqCache + 1) : 0;
+  // The shared copy of cu_seqlens follows the storage
+  static constexpr int SeqCacheBytes = int(sizeof(int64_t)) * (kPrepSeqCache + 1);
   static constexpr int SmemBytes = int(sizeof(SharedStorage)) + SeqCacheBytes;
   static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
 };
@@ -243,20 +220,20 @@ struct PrepItem {
   bool valid;
 };
 
-// With FQT_PREP_SEQ_CACHE, cu is where the kernel keeps the call's offsets (shared memory for
-// calls of up to kPrepSeqCache sequences, else cu_seqlens itself).
+// cu is where the kernel keeps the call's offsets: shared memory for calls of up to
+// kPrepSeqCache sequences, else cu_seqlens itself.
 template <int Hqk, class Args>
-__device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item FQT_PREP_CU_PARAM) {
+__device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item, const int64_t* cu) {
   PrepItem it;
   it.hqk = int(item % Hqk);
   const int64_t rest = item / Hqk;
   if (a.order == kChunkMajor) {
     const int64_t seq = rest % a.num_seqs;
-    it.range = sequence_range(FQT_PREP_OFFSETS, seq, a.total_tokens);
+    it.range = sequence_range(cu, seq, a.total_tokens);
     it.chunk = rest / a.num_seqs;
   } else {
-    const int64_t seq = sequence_of_slot(FQT_PREP_OFFSETS, rest, a.num_seqs, a.total_tokens);
-    it.range = sequence_range(FQT_PREP_OFFSETS, seq, a.total_tokens);
+    const int64_t seq = sequence_of_slot(cu, rest, a.num_seqs, a.total_tokens);
+    it.range = sequence_range(cu, seq, a.total_tokens);
     it.chunk = rest - it.range.slot0;
   }
   it.valid = it.chunk >= 0 && it.chunk < it.range.num_chunks();
@@ -268,9 +245,9 @@ __device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item FQT_PR
 // left). Callers decode it again with prep_item (a few cached cu_seqlens loads): carrying the
 // decoded item across the solve instead costs registers and made ptxas spill.
 template <int Hqk, class Args>
-__device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item FQT_PREP_CU_PARAM) {
+__device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item, const int64_t* cu) {
   for (; item < a.num_items; item += gridDim.x)
-    if (prep_item<Hqk>(a, item FQT_PREP_CU_ARG).valid) break;
+    if (prep_item<Hqk>(a, item, cu).valid) break;
   return item < a.num_items ? item : a.num_items;
 }
 
@@ -299,14 +276,12 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
   }
-#if FQT_PREP_SEQ_CACHE
   const int64_t* cu = args.cu_seqlens;  // where items are decoded from
   if (args.num_seqs <= kPrepSeqCache) {
     int64_t* offsets = reinterpret_cast<int64_t*>(smem_raw + sizeof(typename Cfg::SharedStorage));
     for (int64_t s = tid; s <= args.num_seqs; s += Threads) offsets[s] = args.cu_seqlens[s];
     cu = offsets;
   }
-#endif
   __syncthreads();
 
   Tensor mQ = args.tma_q.get_tma_tensor(make_shape(int32_t(T), int32_t(Hqk * HeadK)));
@@ -373,15 +348,15 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     }
   };
 
-  int64_t item = next_valid_item<Hqk>(args, blockIdx.x FQT_PREP_CU_ARG);
+  int64_t item = next_valid_item<Hqk>(args, blockIdx.x, cu);
   if (item < args.num_items) {
-    const PrepItem first = prep_item<Hqk>(args, item FQT_PREP_CU_ARG);
+    const PrepItem first = prep_item<Hqk>(args, item, cu);
     if (tid == 0) issue_loads(first, true);
     prefetch_gates(first);
   }
   for (uint32_t phase = 0u; item < args.num_items; phase ^= 1u) {
-    const PrepItem it = prep_item<Hqk>(args, item FQT_PREP_CU_ARG);
-    const int64_t next = next_valid_item<Hqk>(args, item + gridDim.x FQT_PREP_CU_ARG);
+    const PrepItem it = prep_item<Hqk>(args, item, cu);
+    const int64_t next = next_valid_item<Hqk>(args, item + gridDim.x, cu);
     const int64_t slot = it.slot;
     const int hqk = it.hqk;
     const int64_t tok0 = it.range.start + it.chunk * kChunk;
@@ -438,15 +413,8 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         // Packed 8-byte stores: nvcc 13.0 lowered a byte-wise memcpy of these 16-bit elements
         // into float-to-integer conversions (F2I.U8.F16 in the SASS), corrupting the copy.
         const int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d0;
-        if (FQT_PREP_WIDE_STORES) {
-          store_global_8(static_cast<Elem*>(args.q_normed) + off, pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
-          store_global_8(static_cast<Elem*>(args.k_normed) + off, pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
-        } else {
-          *reinterpret_cast<uint2*>(static_cast<Elem*>(args.q_normed) + off) =
-              make_uint2(pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
-          *reinterpret_cast<uint2*>(static_cast<Elem*>(args.k_normed) + off) =
-              make_uint2(pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
-        }
+        store_global_8(static_cast<Elem*>(args.q_normed) + off, pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
+        store_global_8(static_cast<Elem*>(args.k_normed) + off, pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
       }
       cutlass::arch::fence_view_async_shared();  // generic stores, read by wgmma (async proxy)
     }
@@ -503,7 +471,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     // The tiles and the gate buffers are free now (the GEMMs and step 0 were their last readers):
     // the next item's loads run during the solve.
     if (next < args.num_items) {
-      const PrepItem upcoming = prep_item<Hqk>(args, next FQT_PREP_CU_ARG);
+      const PrepItem upcoming = prep_item<Hqk>(args, next, cu);
       if (tid == 0) issue_loads(upcoming, !Cfg::QkInQ);
       prefetch_gates(upcoming);
     }
@@ -645,7 +613,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           if (hb + HeadBatch >= G && h_hi == nb && ptid >= 0) {
             cutlass::arch::fence_view_async_shared();
             asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
-            if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next FQT_PREP_CU_ARG));
+            if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next, cu));
           }
         }
         if constexpr (kAwByAll) {

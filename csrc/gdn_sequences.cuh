@@ -53,16 +53,7 @@ enum : int32_t {
   kJobZeroV = 2,          // read v as zeros (with kJobIdentityState: S' = M S exactly)
   kJobNoOutput = 4,       // state-only: o is not written (warm-up windows, H and M passes)
   kJobChained = 8,        // a forward job whose start state the exact chain writes (runs after it)
-  kJobChainLayout = 16,   // with FQT_CHAIN_H_VMAJOR: an H job, whose end state only the exact chain
-                          // reads, stored v-major like M (whatever the state layout)
 };
-
-// Measurement switch (scripts/cp_variants.py); products build with the default. 1: the state pass
-// stores each exact boundary's H v-major (kJobChainLayout), as it does M, so the chain's H loads
-// are coalesced for k-major states too (a warp reads 32 consecutive k of one column).
-#ifndef FQT_CHAIN_H_VMAJOR
-#define FQT_CHAIN_H_VMAJOR 0
-#endif
 
 // Which forward jobs a context-parallel forward launch runs (FwdParams::job_pass).
 enum : int32_t {

@@ -8,7 +8,7 @@ row after a warm-up call, on the calibrated column's table; the product's result
     python -P scripts/chain_clocks.py          (scripts/h200_next_session.sh chain-clocks)
 
 CHAIN_CLOCK_FLAGS="-DNAME=VALUE ..." adds nvcc flags to the measurement build (a variant's
-switches, e.g. -DFQT_CHAIN_H_VMAJOR=1).
+switches, e.g. -DFQT_CHAIN_PARTIALS=1).
 """
 from __future__ import annotations
 

@@ -39,8 +39,8 @@
 #                                                 GPU 1 (WITH_CLOCKS=1: then the chain's stage clocks)
 #   bash scripts/h200_next_session.sh variants-x2   on nvidia-h200-x2: scripts/cp_variants.py on GPU 0;
 #                                                 on GPU 1 scripts/prep_variants.py, then the chain's
-#                                                 stage clocks of the product and of the build with
-#                                                 CHAIN_CLOCK_FLAGS (default -DFQT_CHAIN_H_VMAJOR=1)
+#                                                 stage clocks of the product and, with
+#                                                 CHAIN_CLOCK_FLAGS set, of the build with those flags
 #   bash scripts/h200_next_session.sh pair-score-cp    on nvidia-h200-x2: both scoreboard halves, then the
 #                                                 host step and the CP GPU tests
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
@@ -218,17 +218,19 @@ case "${1:-tests}" in
   variants-x2)
     # on nvidia-h200-x2 (carry .whl-bench): both variant scripts at once, each variant against the
     # float64 oracle and bit for bit against the product; then on GPU 1 the chain's stage clocks of
-    # the product and of the switched build
+    # the product and (CHAIN_CLOCK_FLAGS set) of the switched build
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
     CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -P scripts/cp_variants.py "$OUT" > "$OUT/cp_variants.log" 2>&1 &
     (CUDA_VISIBLE_DEVICES=1 timeout 330 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
      CUDA_VISIBLE_DEVICES=1 timeout 80 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks.log" 2>&1
-     CUDA_VISIBLE_DEVICES=1 CHAIN_CLOCK_FLAGS="${CHAIN_CLOCK_FLAGS:--DFQT_CHAIN_H_VMAJOR=1}" timeout 80 \
-       python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks_switched.log" 2>&1) &
+     if [ -n "${CHAIN_CLOCK_FLAGS:-}" ]; then
+       CUDA_VISIBLE_DEVICES=1 timeout 80 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks_switched.log" 2>&1
+     fi) &
     wait
     grep -E "graph_ms|worst|Error" "$OUT/cp_variants.log" | cut -c1-300
     grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | cut -c1-300
     for f in chain_clocks chain_clocks_switched; do
+      [ -f "$OUT/$f.log" ] || continue
       echo "== $f"; grep -E "chain clocks seq 0 head 0 step [12]:" "$OUT/$f.log" | cut -c1-160
     done ;;
   chain-clocks)

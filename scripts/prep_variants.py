@@ -25,21 +25,18 @@ from flashqla_tune.plan import KernelPlan, default_plan  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 
-# name: extra nvcc flags. FQT_PREP_WIDE_STORES=1 writes P's octets and the normalised q/k quartets
-# by one 16- / 8-byte store each (the product's uint4 / uint2 assignments compile to 4-byte
-# stores; seventeenth session); FQT_PREP_SEQ_CACHE=1 decodes items from a shared-memory copy of
-# cu_seqlens (calls of up to 128 sequences). Both pending, not yet run. (FQT_PREP_AW_SPLIT,
-# FQT_PREP_QK_IN_Q and FQT_PREP_AW_ALL_HEADS, fourteenth session, are the product now, the last
-# for one or two v-heads.)
-VARIANTS = {"product": (), "wide_stores": ("-DFQT_PREP_WIDE_STORES=1",), "seq_cache": ("-DFQT_PREP_SEQ_CACHE=1",),
-            "both": ("-DFQT_PREP_WIDE_STORES=1", "-DFQT_PREP_SEQ_CACHE=1")}
+# name: extra nvcc flags. No prep switch is pending: FQT_PREP_WIDE_STORES (P's octets and the
+# normalised q/k quartets by one 16- / 8-byte store each) and FQT_PREP_SEQ_CACHE (items decoded from
+# a shared-memory copy of cu_seqlens) won together in the eighteenth session and are the product
+# now, as are FQT_PREP_AW_SPLIT, FQT_PREP_QK_IN_Q and FQT_PREP_AW_ALL_HEADS (fourteenth session).
+VARIANTS: dict[str, tuple[str, ...]] = {"product": ()}
 # (hqk, hv, prep_threads or None for the default plan's): one, four, two and three v-heads per
 # q/k head on their default plans (128 threads but for four v-heads; fifteenth session)
 PLANS = [(16, 16, None), (2, 8, None), (16, 32, None), (8, 24, None)]
 # (plan index, seqlens, decay, l2norm): tails that are not a multiple of 64, varlen, strong/weak/zero
 CHECKS = [(0, [1000, 37], "mixed", True), (1, [777, 1500, 63], "strong", False), (2, [2100, 300], "zero", False),
           (3, [5000, 129], "weak", True),
-          (1, [37] * 100 + [100] * 31, "mixed", True)]  # more sequences than FQT_PREP_SEQ_CACHE keeps
+          (1, [37] * 100 + [100] * 31, "mixed", True)]  # more sequences than shared memory keeps
 TIMED = [(i, Case(hqk, hv, seqlens)) for i, (hqk, hv, _) in enumerate(PLANS)
          for seqlens in ((32768,), (8192,) * 4, (1024,) * 8)]
 
