@@ -41,6 +41,11 @@
 #                                                 on GPU 1 scripts/prep_variants.py, then the chain's
 #                                                 stage clocks of the product and, with
 #                                                 CHAIN_CLOCK_FLAGS set, of the build with those flags
+#   bash scripts/h200_next_session.sh prep-switch-x2 NAME=VALUE ...   on nvidia-h200-x2: scripts/prep_variants.py
+#                                                 on GPU 0; on GPU 1 the whole forward GPU module on a copy
+#                                                 of the tree whose measurement switches NAME are set to
+#                                                 VALUE (its "#define NAME" default rewritten), installed
+#                                                 beside the product's
 #   bash scripts/h200_next_session.sh pair-score-cp    on nvidia-h200-x2: both scoreboard halves, then the
 #                                                 host step and the CP GPU tests
 #   bash scripts/h200_next_session.sh half-oracle  on nvidia-h200-x2: the scoreboard's first half on GPU 0,
@@ -233,6 +238,26 @@ case "${1:-tests}" in
       [ -f "$OUT/$f.log" ] || continue
       echo "== $f"; grep -E "chain clocks seq 0 head 0 step [12]:" "$OUT/$f.log" | cut -c1-160
     done ;;
+  prep-switch-x2)
+    # on nvidia-h200-x2 (carry .whl-bench): a prep switch's timing and checks beside the product on
+    # GPU 0 and, at once, the forward module built with the switch on GPU 1 (so a winner needs no
+    # second test call before it becomes the default)
+    shift
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1 &
+    switched=/tmp/tree-switched
+    rm -rf "$switched" /tmp/site-switched && mkdir -p "$switched" && cp -r . "$switched/"
+    for define in "$@"; do
+      sed -i -E "s/^#define ${define%%=*} [0-9]+$/#define ${define%%=*} ${define#*=}/" "$switched"/csrc/*.cuh
+      grep -h "^#define ${define%%=*} " "$switched"/csrc/*.cuh
+    done
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-switched "$switched"
+    for i in 0 1 2 3; do
+      (PYTHONPATH=/tmp/site-switched:$PYTHONPATH FLASHQLA_TUNE_CACHE=/tmp/fqt-cache-switched forward_group "$i" 1 400) &
+    done
+    wait
+    collect_forward_groups
+    grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | cut -c1-300 ;;
   chain-clocks)
     # the exact chain's stage cycles per step (scripts/chain_clocks.py; a measurement build)
     timeout 300 python3 -P scripts/chain_clocks.py > "$OUT/chain_clocks.log" 2>&1
