@@ -71,15 +71,6 @@ constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 // (geomean of 12 rows, bitwise the same; eighteenth session, docs/kernel-notes.md).
 constexpr int kPrepSeqCache = 128;
 
-// Measurement switch (scripts/prep_variants.py); products build with the default. 1: where the
-// tensor-core solve's threads write Aw (all 128 with one or two v-heads per q/k head, else the
-// solving 64), the two lanes of adjacent Aw columns swap a value per pair of rows and each writes
-// a packed 4-byte pair: half the store instructions and conversions of
-// the 2-byte stores, at one shuffle per two elements (eighteenth session).
-#ifndef FQT_PREP_AW_PAIRS
-#define FQT_PREP_AW_PAIRS 0
-#endif
-
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
@@ -146,38 +137,6 @@ __device__ __forceinline__ void for_each_in_x_column(const float* kk, int c, Out
     for (int u = 0; u < 4; ++u) {
       const int i = 4 * i4 + u;
       out(i, i > c ? vv[u] : (i == c ? 1.f : 0.f));
-    }
-  }
-}
-
-// FQT_PREP_AW_PAIRS: Aw's rows [Rows part, Rows (part + 1)) of column c (the value aw_column_store
-// writes), stored a packed column pair at a time; every lane of the warp takes part. Lanes 2m and 2m + 1 hold columns c & ~1 and
-// (c & ~1) + 1; of each four rows, the even lane writes rows 0 and 2 of the pair, the odd lane
-// rows 1 and 3, each taking its partner's element by one shuffle.
-template <class Elem, int Rows>
-__device__ __forceinline__ void store_aw_pairs(const float* kk, int c, int part, const float* gam, float bc, int L,
-                                               Elem* aw) {
-  const bool odd = (c & 1) != 0;
-  const float gc = gam[c];
-  const float4* col = reinterpret_cast<const float4*>(kk + c * kPrepPad);
-  CUTE_UNROLL
-  for (int i4 = part * (Rows / 4); i4 < (part + 1) * (Rows / 4); ++i4) {
-    const float4 v = col[i4];
-    const float vv[4] = {v.x, v.y, v.z, v.w};
-    float a[4];
-    CUTE_UNROLL
-    for (int u = 0; u < 4; ++u) {
-      const int i = 4 * i4 + u;
-      const float xi = i > c ? vv[u] : (i == c ? 1.f : 0.f);
-      const float d = i < L && c <= i ? gam[i] - gc : -INFINITY;
-      a[u] = exp_ftz(d) * xi * bc;
-    }
-    CUTE_UNROLL
-    for (int t = 0; t < 2; ++t) {
-      const float mine = odd ? a[2 * t + 1] : a[2 * t];
-      const float theirs = __shfl_xor_sync(0xffffffffu, odd ? a[2 * t] : a[2 * t + 1], 1);
-      const int i = 4 * i4 + 2 * t + (odd ? 1 : 0);
-      *reinterpret_cast<uint32_t*>(aw + i * kChunk + (c & ~1)) = odd ? pack2<Elem>(theirs, mine) : pack2<Elem>(mine, theirs);
     }
   }
 }
@@ -587,16 +546,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
             for (int h = h_lo; h < h_hi; ++h) {
               if (h > h_lo) solve_mma::sync64();
               solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-              if constexpr (!kAwByAll) {
-                if (FQT_PREP_AW_PAIRS) {
-                  if constexpr (prep_runs(kAblateAwOut))
-                    store_aw_pairs<Elem, kChunk>(ss.kk, c, 0, ss.gamma[h], ss.beta[h][c], L,
-                                                 static_cast<Elem*>(args.aw) +
-                                                     (int64_t(hqk * G + hb + h) * args.num_slots + slot) * kChunk * kChunk);
-                } else {
-                  for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
-                }
-              }
+              if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
             }
           }
         } else {
@@ -669,14 +619,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         if constexpr (kAwByAll) {
           __syncthreads();  // X is complete in K K^T's upper triangle
           const int c = tid % kChunk;
-          if (FQT_PREP_AW_PAIRS) {
-            if constexpr (prep_runs(kAblateAwOut))
-              store_aw_pairs<Elem, kChunk / 2>(ss.kk, c, tid / kChunk, ss.gamma[h_lo], ss.beta[h_lo][c], L,
-                                   static_cast<Elem*>(args.aw) +
-                                       (int64_t(hqk * G + hb + h_lo) * args.num_slots + slot) * kChunk * kChunk);
-          } else {
-            for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(h_lo, c), tid / kChunk);
-          }
+          for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(h_lo, c), tid / kChunk);
           if (h_hi < nb) __syncthreads();  // X read before the next head's solve overwrites it
         }
       }  // round

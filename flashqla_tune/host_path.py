@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,7 @@ from .warmup import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS, segment_state_bytes
 
 SOURCE_NAME = "gdn_torch_host.cpp"
 ENV_SWITCH = "FLASHQLA_TUNE_HOST_PATH"
+TORCH_BATON = "lock"  # torch.utils.cpp_extension's build baton in the build folder
 
 _contexts: dict[tuple, object] = {}
 taken = 0  # calls the C++ path has launched in this process (tests and scripts/host_overhead.py read it)
@@ -106,12 +108,24 @@ def _build_and_load():
     where = environment.cache_dir() / "host" / key
     where.mkdir(parents=True, exist_ok=True)
     with FileLock(str(where / ".build.lock")):  # one builder per key across processes
+        clear_stale_baton(where)
         module = cpp_extension.load(name=f"flashqla_tune_host_{key}", sources=[str(csrc_dir() / SOURCE_NAME)],
                                     extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
                                     build_directory=str(where), with_cuda=False, verbose=False)
     if module.ABI_VERSION != _abi_version():
         raise HostPathError(f"the host extension speaks ABI {module.ABI_VERSION}, not {_abi_version()}")
     return module
+
+
+def clear_stale_baton(where: Path) -> None:
+    """Remove torch's build baton (the file `lock` in the build folder) left by a process that
+    died while building, e.g. one that exited while this module's background build was still
+    compiling. torch waits for that file to disappear and would wait forever. Called with our own
+    lock held, which every builder of the folder takes first, so no live build owns the file."""
+    baton = where / TORCH_BATON
+    if baton.exists():
+        warnings.warn(f"flashqla_tune: removing a stale build lock {baton} (a build was interrupted)", stacklevel=2)
+        baton.unlink(missing_ok=True)
 
 
 def _abi_version() -> int:

@@ -29,9 +29,9 @@ from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 # normalised q/k quartets by one 16- / 8-byte store each) and FQT_PREP_SEQ_CACHE (items decoded from
 # a shared-memory copy of cu_seqlens) won together in the eighteenth session and are the product
 # now, as are FQT_PREP_AW_SPLIT, FQT_PREP_QK_IN_Q and FQT_PREP_AW_ALL_HEADS (fourteenth session).
-# FQT_PREP_AW_PAIRS=1 (pending): where the tensor-core solve's threads write Aw, by packed 4-byte
-# column pairs, one shuffle per two elements, instead of 2-byte stores.
-VARIANTS: dict[str, tuple[str, ...]] = {"product": (), "aw_pairs": ("-DFQT_PREP_AW_PAIRS=1",)}
+# FQT_PREP_AW_PAIRS (Aw by packed 4-byte column pairs, one shuffle per two elements) lost in the
+# eighteenth session (1.05x the prep's time) and is gone.
+VARIANTS: dict[str, tuple[str, ...]] = {"product": ()}
 # (hqk, hv, prep_threads or None for the default plan's): one, four, two and three v-heads per
 # q/k head on their default plans (128 threads but for four v-heads; fifteenth session)
 PLANS = [(16, 16, None), (2, 8, None), (16, 32, None), (8, 24, None)]

@@ -8,6 +8,7 @@ import ctypes
 import random
 import shutil
 import subprocess
+import threading
 import warnings
 
 import pytest
@@ -240,3 +241,25 @@ def test_remember_starts_the_build_and_keeps_a_context_once_it_is_loaded(ext, do
     monkeypatch.setenv(host_path.ENV_SWITCH, "python")  # switched off: nothing is kept
     host_path.remember(("another", 2), plan, LibraryDouble(double), tables, torch.device("cpu"))
     assert not host_path.known(("another", 2))
+
+
+def test_a_build_lock_left_by_a_dead_process_does_not_hang_the_next_load(ext, cache_root, monkeypatch):
+    # torch's baton file: a process that exits while its background build still compiles leaves
+    # it behind, and torch waits for it to disappear. The load must clear it and go on.
+    monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(cache_root))
+    baton = environment.cache_dir() / "host" / host_path.build_key() / host_path.TORCH_BATON
+    baton.write_text("")
+    result = {}
+
+    def load():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            result["module"] = host_path._build_and_load()
+        result["warnings"] = [str(w.message) for w in seen]
+
+    loader = threading.Thread(target=load, daemon=True)  # daemon: a hang fails the test instead of the run
+    loader.start()
+    loader.join(timeout=120)
+    assert not loader.is_alive(), "the load waited on the stale lock"
+    assert result["module"].ABI_VERSION == ext.ABI_VERSION and not baton.exists()
+    assert any("stale build lock" in w for w in result["warnings"])
