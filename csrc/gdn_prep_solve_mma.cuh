@@ -17,7 +17,18 @@
 namespace fqt {
 namespace solve_mma {
 
+// Measurement switch (scripts/prep_variants.py); products build with the default. 1: the 3xTF32
+// split truncates (hi = x with its low 13 bits cleared, one LOP3; lo = x - hi, exact, truncated
+// the same way) instead of rounding with cvt.rna.tf32.f32, which sm_90a expands into about five
+// instructions (a range test, an add, a mask and selects): about 650 of the 16/16 prep's 4530
+// SASS instructions are those conversions (eighteenth session, line-info attribution). The
+// products then carry about 3 * 2^-20 relative error instead of about 3 * 2^-22; X leaves as bf16 Aw.
+#ifndef FQT_SOLVE_TF32_TRUNC
+#define FQT_SOLVE_TF32_TRUNC 0
+#endif
+
 __device__ __forceinline__ uint32_t tf32(float x) {
+  if (FQT_SOLVE_TF32_TRUNC) return __float_as_uint(x) & 0xffffe000u;  // a valid tf32: the low bits zero
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;

@@ -4,9 +4,11 @@ CPU lane by lane: the same shared-memory tile (kk, 64 rows of 68 floats, X into 
 triangle), the same per-thread index arithmetic, and each mma.sync m16n8k8 built from the 32
 lanes' fragment registers as the PTX ISA lays them out (TF32 operands rounded to nearest, ties
 away; fp32 accumulation). A wrong fragment index or a wrong k order shows as a large error
-against the float64 inverse; the check before the kernel runs on the H200.
+against the float64 inverse; the check before the kernel runs on the H200. With --trunc the
+TF32 parts are taken by truncation (the low 13 bits cleared), as FQT_SOLVE_TF32_TRUNC=1 builds
+them (eighteenth session).
 
-    python3 scripts/emulate_mma_solve.py
+    python3 scripts/emulate_mma_solve.py [--trunc]
 """
 from __future__ import annotations
 
@@ -17,10 +19,14 @@ import numpy as np
 PAD = 68
 
 
+TRUNCATE = False  # --trunc: FQT_SOLVE_TF32_TRUNC's split
+
+
 def tf32(x: np.float32) -> np.float32:
-    """cvt.rna.tf32.f32: keep 10 mantissa bits, round to nearest with ties away from zero."""
+    """cvt.rna.tf32.f32: keep 10 mantissa bits, round to nearest with ties away from zero (with
+    TRUNCATE: clear the 13 low bits)."""
     bits = np.array([x], np.float32).view(np.uint32)[0]
-    bits = np.uint32((int(bits) + 0x1000) & 0xFFFFE000)
+    bits = np.uint32((int(bits) + (0 if TRUNCATE else 0x1000)) & 0xFFFFE000)
     return np.array([bits], np.uint32).view(np.float32)[0]
 
 
@@ -202,4 +208,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    TRUNCATE = "--trunc" in sys.argv[1:]
     sys.exit(main())

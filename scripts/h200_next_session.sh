@@ -182,7 +182,7 @@ case "${1:-tests}" in
     wait
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 2; grep -E "^FAILED|Error" "$OUT/gpu_tests_cp.log" | head -n 12 | cut -c1-300
     grep -E "us \|" "$OUT/kernel_split.log" | cut -c1-260
-    grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 12 | cut -c1-400
+    grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 18 | cut -c1-400
     grep -v "UserWarning\|_warn_once" "$OUT/kernel_split.log" > "$OUT/kernel_split.txt"; rm -f "$OUT/kernel_split.log" ;;
   first-x2)
     # on nvidia-h200-x2, the fifteenth session's first call (docs/README.md's device plan): the
