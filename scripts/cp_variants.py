@@ -39,12 +39,12 @@ from flashqla_tune.spec import GDNSpec  # noqa: E402
 # FQT_CHAIN_FAST_EXIT=0 lets a chain CTA find its first exact boundary by walking the boundaries
 # one load after another; FQT_CHAIN_EARLY_TRIGGER=0 launches the forward pass only once the chain
 # has finished; FQT_CHAIN_SKIP=1 leaves the chain's work out, so its results are wrong by design:
-# the call's time without the chain). Earlier sessions measured the chain's column widths, the jobs kernel's place, the
-# forward pass's job order and the CP passes on the two-per-SM kernel; the sixteenth, an exact
-# boundary's H and M in two parts (docs/pending/cp-exact-parts.patch), the state pass and chain as
-# programmatic dependents; the seventeenth, the chain's M by one bulk copy (kept); the eighteenth,
-# each boundary's H stored v-major for coalesced chain loads (lost, 1.009x the product's time):
-# docs/kernel-notes.md has the results.
+# the call's time without the chain). Earlier sessions measured the chain's column widths, the
+# jobs kernel's place, the forward pass's job order and the CP passes on the two-per-SM kernel;
+# the sixteenth, an exact boundary's H and M in two parts (docs/pending/cp-exact-parts.patch), the
+# state pass and chain as programmatic dependents; the seventeenth, the chain's M by one bulk copy
+# (kept); the eighteenth, each boundary's H stored v-major for coalesced chain loads (lost, 1.009x
+# the product's time): docs/kernel-notes.md has the results.
 VARIANTS = {"product": ()}
 WRONG_BY_DESIGN: set[str] = set()  # variants timed only (FQT_CHAIN_SKIP): left out of the oracle summary
 HEADS = [(16, 16), (2, 8), (8, 32), (8, 24)]

@@ -27,7 +27,8 @@ from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 
 # name: extra nvcc flags. FQT_PREP_WIDE_STORES (P's octets and the normalised q/k quartets by one
 # 16- / 8-byte store each) and FQT_PREP_SEQ_CACHE (items decoded from a shared-memory copy of
-# cu_seqlens) won together in the eighteenth session and are the product now, as are FQT_PREP_AW_SPLIT, FQT_PREP_QK_IN_Q and FQT_PREP_AW_ALL_HEADS (fourteenth session).
+# cu_seqlens) won together in the eighteenth session and are the product now, as are
+# FQT_PREP_AW_SPLIT, FQT_PREP_QK_IN_Q and FQT_PREP_AW_ALL_HEADS (fourteenth session).
 # FQT_PREP_AW_PAIRS (Aw by packed 4-byte column pairs, one shuffle per two elements) lost in the
 # eighteenth session (1.05x the prep's time) and is gone.
 # Pending (eighteenth session, written and SASS-inspected, not yet run): FQT_PREP_ITEM_SMEM=1 has

@@ -93,7 +93,8 @@ def main(argv: list[str]) -> int:
     print(f"{plan.name} {args.kernel}: {total} SASS instructions ({' '.join(args.defines) or 'product build'})")
     for (file, line), n in counts.most_common(args.top):
         ops = ", ".join(f"{op} {k}" for op, k in opcodes[(file, line)].most_common(4))
-        print(f"{n:6d} {100 * n / total:5.1f}%  {file}:{line}  [{ops}]  {source_text(config.csrc_dir, file, line)[:90]}")
+        text = source_text(config.csrc_dir, file, line)[:90]
+        print(f"{n:6d} {100 * n / total:5.1f}%  {file}:{line}  [{ops}]  {text}")
     return 0
 
 
