@@ -462,9 +462,13 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
       for (int u = 0; u < 8; ++u) accumulate(m8 + u, mb[(m8 + u) * K + kk], u % kChainPartials);
     }
     float acc[kHalf];
-    for (int c = 0; c < kHalf; ++c)
-      acc[c] = kChainPartials == 4 ? (part[0][c] + part[1][c]) + (part[2 % kChainPartials][c] + part[3 % kChainPartials][c])
-                                   : part[0][c];
+    for (int c = 0; c < kHalf; ++c) {
+      if constexpr (kChainPartials == 4) {
+        acc[c] = (part[0][c] + part[1][c]) + (part[2][c] + part[3][c]);
+      } else {
+        acc[c] = part[0][c];
+      }
+    }
     stamp(kComputed);
     float* out = a.boundary + row * kState;
     for (int c = 0; c < kHalf; ++c) out[at(kk, col0 + c0 + c)] = acc[c];

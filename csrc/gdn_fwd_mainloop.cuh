@@ -475,8 +475,9 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
 
   // Initial state (fp32) into the accumulator; zeros without one, the identity for a transition job.
   const int v0 = vt * Cfg::BlockV + consumer * kRowsPerConsumer;
-  auto state_offset = [&](int kk, int vv) -> int64_t {
-    return Cfg::StateVFirst ? int64_t(v0 + vv) * Cfg::HeadK + kk : int64_t(kk) * Cfg::HeadV + v0 + vv;
+  // (k, v) of this thread's rows in a [K, V] state, or a [V, K] one (v_first)
+  auto state_offset = [&](int kk, int vv, bool v_first = Cfg::StateVFirst) -> int64_t {
+    return v_first ? int64_t(v0 + vv) * Cfg::HeadK + kk : int64_t(kk) * Cfg::HeadV + v0 + vv;
   };
   const bool identity_state = job_flags & kJobIdentityState;
   const float* h0 = state_pointer<Cfg>(p, p.initial_state, hv, false);
@@ -668,7 +669,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
     CUTE_UNROLL
     for (int e = 0; e < size(accS); ++e) {
       const int vv = get<0>(crdS(e)), kk = get<1>(crdS(e));
-      state_out[v_major ? int64_t(v0 + vv) * Cfg::HeadK + kk : state_offset(kk, vv)] = accS(e);
+      state_out[state_offset(kk, vv, Cfg::StateVFirst || v_major)] = accS(e);
     }
   }
 }

@@ -82,14 +82,21 @@ class SassSummary:
         return counts.get(opcode, 0)
 
 
+def opcode_of(line: str) -> str | None:
+    """The opcode of a disassembled instruction line (modifiers dropped), None for other lines;
+    cuobjdump's and nvdisasm's listings share the form."""
+    m = _INSTR_RE.match(line)
+    return m.group(1) if m else None
+
+
 def parse_sass(text: str) -> SassSummary:
     per_function: dict[str, Counter] = {}
     current: Counter | None = None
     for line in text.splitlines():
         if m := _FUNCTION_RE.match(line):
             current = per_function.setdefault(m.group(1), Counter())
-        elif current is not None and (m := _INSTR_RE.match(line)):
-            current[m.group(1)] += 1
+        elif current is not None and (op := opcode_of(line)):
+            current[op] += 1
     return SassSummary(per_function)
 
 
@@ -98,4 +105,4 @@ def instruction_counts(library: Path) -> SassSummary:
     return parse_sass(sass_text(library))
 
 
-__all__ = ["SassError", "SassSummary", "find_tool", "instruction_counts", "parse_sass", "sass_text"]
+__all__ = ["SassError", "SassSummary", "find_tool", "instruction_counts", "opcode_of", "parse_sass", "sass_text"]

@@ -22,11 +22,10 @@ from flashqla_tune import cache
 from flashqla_tune.bench.cases import parse_heads
 from flashqla_tune.build import BuildConfig
 from flashqla_tune.plan import default_plan
-from flashqla_tune.sass import find_tool
+from flashqla_tune.sass import find_tool, opcode_of
 from flashqla_tune.spec import GDNSpec
 
 _LINE_RE = re.compile(r'//## File "([^"]+)", line (\d+)')
-_INSTR_RE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _SECTION = "//--------------------- .text."
 
 
@@ -48,10 +47,10 @@ def attribute(disassembly: str, kernel: str) -> tuple[Counter, dict]:
         if found:
             where = (Path(found.group(1)).name, int(found.group(2)))
             continue
-        instr = _INSTR_RE.match(line)
-        if instr:
+        op = opcode_of(line)
+        if op:
             counts[where] += 1
-            opcodes[where][instr.group(1)] += 1
+            opcodes[where][op] += 1
     if not counts:
         raise SystemExit(f"no function whose name contains {kernel!r} in the disassembly")
     return counts, opcodes

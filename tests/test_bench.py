@@ -296,7 +296,6 @@ def test_build_variants_builds_each_variant_with_its_own_flags(monkeypatch):
     assert entries["b"] == [f"entry {p.name} -DX=1 -DY=1" for p in plans]
 
 
-
 def test_build_variants_takes_a_whole_build_config_for_an_older_tree(monkeypatch, tmp_path):
     """scripts/cp_variants.py's FQT_BASE_CSRC: a variant given as a BuildConfig (another csrc/)
     builds with that config as is, beside variants given as flags."""
@@ -317,6 +316,7 @@ def test_build_variants_takes_a_whole_build_config_for_an_older_tree(monkeypatch
     assert older in configs and len(configs) == 2
     assert entries["base"] == [tmp_path.resolve()]
     assert entries["product"] != entries["base"]
+
 
 def test_running_a_variant_restores_the_runtime_lookup_even_on_error(monkeypatch):
     from types import SimpleNamespace
