@@ -71,15 +71,6 @@ constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 // (geomean of 12 rows, bitwise the same; eighteenth session, docs/kernel-notes.md).
 constexpr int kPrepSeqCache = 128;
 
-// Measurement switch (scripts/prep_variants.py); products build with the default. 1: thread 0
-// alone finds and decodes the CTA's next item, at the top of each item, into one of two
-// shared-memory slots that every thread reads after the item's barriers; the product has every
-// thread decode it three times (the next valid item, its loads, its q load) and the current one
-// once more. Line-info attribution of the 16/16 prep's SASS puts about 1100 of its 4530
-// instructions in those decodes (int64 offsets, clamps, the binary search; eighteenth session).
-#ifndef FQT_PREP_ITEM_SMEM
-#define FQT_PREP_ITEM_SMEM 0
-#endif
 
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -195,8 +186,8 @@ struct PrepConfig {
   };
   // The shared copy of cu_seqlens follows the storage
   static constexpr int SeqCacheBytes = int(sizeof(int64_t)) * (kPrepSeqCache + 1);
-  // FQT_PREP_ITEM_SMEM: two decoded-item slots after that
-  static constexpr int ItemSlotBytes = FQT_PREP_ITEM_SMEM ? 2 * 64 : 0;
+  // Two decoded-item slots after that (PrepItemSlot)
+  static constexpr int ItemSlotBytes = 2 * 64;
   static constexpr int SmemBytes = int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes;
   static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
 };
@@ -232,7 +223,12 @@ struct PrepItem {
   bool valid;
 };
 
-// FQT_PREP_ITEM_SMEM: an item as thread 0 decoded it, and the index of the item after it
+// An item as thread 0 decoded it, and the index of the item after it. Thread 0 alone finds and
+// decodes each next item, into one of two shared-memory slots the other threads read after the
+// item's barriers: every thread decoding it for itself took about 1100 of the 16/16 prep's 4530
+// SASS instructions (int64 offsets, clamps, the binary search), and dropping that made the
+// preps 0.90-0.97x the time but for 16/32, where it spilled until the TF32 split was truncated
+// (eighteenth and nineteenth sessions, docs/kernel-notes.md).
 struct PrepItemSlot {
   PrepItem it;
   int64_t next;
@@ -260,8 +256,7 @@ __device__ __forceinline__ PrepItem prep_item(const Args& a, int64_t item, const
 }
 
 // This CTA's next work item with something to do, at or after `item` (num_items when none is
-// left). Callers decode it again with prep_item (a few cached cu_seqlens loads): carrying the
-// decoded item across the solve instead costs registers and made ptxas spill.
+// left); thread 0 decodes it again with prep_item into an item slot.
 template <int Hqk, class Args>
 __device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item, const int64_t* cu) {
   for (; item < a.num_items; item += gridDim.x)
@@ -295,10 +290,8 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
   }
   const int64_t* cu = args.cu_seqlens;  // where items are decoded from
-#if FQT_PREP_ITEM_SMEM
   static_assert(sizeof(PrepItemSlot) <= Cfg::ItemSlotBytes / 2, "two item slots fit their bytes");
   auto* item_slots = reinterpret_cast<PrepItemSlot*>(smem_raw + sizeof(typename Cfg::SharedStorage) + Cfg::SeqCacheBytes);
-#endif
   if (args.num_seqs <= kPrepSeqCache) {
     int64_t* offsets = reinterpret_cast<int64_t*>(smem_raw + sizeof(typename Cfg::SharedStorage));
     for (int64_t s = tid; s <= args.num_seqs; s += Threads) offsets[s] = args.cu_seqlens[s];
@@ -375,15 +368,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     const PrepItem first = prep_item<Hqk>(args, item, cu);
     if (tid == 0) issue_loads(first, true);
     prefetch_gates(first);
-#if FQT_PREP_ITEM_SMEM
     if (tid == 0) item_slots[0].it = first;
-#endif
   }
-#if FQT_PREP_ITEM_SMEM
   __syncthreads();  // slot 0 holds the first item
-#endif
   for (uint32_t phase = 0u; item < args.num_items; phase ^= 1u) {
-#if FQT_PREP_ITEM_SMEM
     // Slot `phase` holds this item (written by thread 0 during the previous item, or before the
     // loop); thread 0 fills the other slot with the next one, which the others read after the
     // barriers below. Each slot is rewritten only an item later, after every thread's read.
@@ -393,10 +381,6 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       if (found < args.num_items) item_slots[phase ^ 1u].it = prep_item<Hqk>(args, found, cu);
       item_slots[phase ^ 1u].next = found;
     }
-#else
-    const PrepItem it = prep_item<Hqk>(args, item, cu);
-    const int64_t next = next_valid_item<Hqk>(args, item + gridDim.x, cu);
-#endif
     const int64_t slot = it.slot;
     const int hqk = it.hqk;
     const int64_t tok0 = it.range.start + it.chunk * kChunk;
@@ -510,15 +494,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     __syncthreads();
     // The tiles and the gate buffers are free now (the GEMMs and step 0 were their last readers):
     // the next item's loads run during the solve.
-#if FQT_PREP_ITEM_SMEM
     const int64_t next = item_slots[phase ^ 1u].next;
-#endif
     if (next < args.num_items) {
-#if FQT_PREP_ITEM_SMEM
       const PrepItem upcoming = item_slots[phase ^ 1u].it;
-#else
-      const PrepItem upcoming = prep_item<Hqk>(args, next, cu);
-#endif
       if (tid == 0) issue_loads(upcoming, !Cfg::QkInQ);
       prefetch_gates(upcoming);
     }
@@ -660,11 +638,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           if (hb + HeadBatch >= G && h_hi == nb && ptid >= 0) {
             cutlass::arch::fence_view_async_shared();
             asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
-#if FQT_PREP_ITEM_SMEM
             if (ptid == 0 && next < args.num_items) issue_q_load(item_slots[phase ^ 1u].it);
-#else
-            if (ptid == 0 && next < args.num_items) issue_q_load(prep_item<Hqk>(args, next, cu));
-#endif
           }
         }
         if constexpr (kAwByAll) {

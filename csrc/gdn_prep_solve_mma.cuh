@@ -5,7 +5,7 @@
 //   stage 1  X_10 = -X_11 (L_10 X_00) and X_32 = -X_33 (L_32 X_22), one warp each;
 //   stage 2  X_HL = -X_HH (L_HL X_LL) for the 32 x 32 halves, one warp per 16 rows.
 // Stages 1 and 2 run on the tensor cores (mma.sync m16n8k8 TF32), each product as three TF32
-// products of high and low parts, so X keeps about fp32 accuracy. They are computed transposed
+// products of high and low parts, so X keeps nearly fp32 accuracy. They are computed transposed
 // (X_ab^T = -(X_bb^T L_ab^T) X_aa^T): X^T is what shared memory holds row-major, and the first
 // product's accumulators serve as the second's A operand without shuffles, by taking the k index
 // in the order the accumulator fragment holds it (a product does not depend on the order of k).
@@ -17,22 +17,13 @@
 namespace fqt {
 namespace solve_mma {
 
-// Measurement switch (scripts/prep_variants.py); products build with the default. 1: the 3xTF32
-// split truncates (hi = x with its low 13 bits cleared, one LOP3; lo = x - hi, exact, truncated
-// the same way) instead of rounding with cvt.rna.tf32.f32, which sm_90a expands into about five
-// instructions (a range test, an add, a mask and selects): about 650 of the 16/16 prep's 4530
-// SASS instructions are those conversions (eighteenth session, line-info attribution). The
-// products then carry about 3 * 2^-20 relative error instead of about 3 * 2^-22; X leaves as bf16 Aw.
-#ifndef FQT_SOLVE_TF32_TRUNC
-#define FQT_SOLVE_TF32_TRUNC 0
-#endif
-
-__device__ __forceinline__ uint32_t tf32(float x) {
-  if (FQT_SOLVE_TF32_TRUNC) return __float_as_uint(x) & 0xffffe000u;  // a valid tf32: the low bits zero
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// A TF32 operand by truncation: x with its low 13 mantissa bits cleared is a valid tf32, one LOP3.
+// Rounding with cvt.rna.tf32.f32 instead costs about five SASS instructions each on sm_90a (a
+// range test, an add, a mask and selects): about 650 of the 16/16 prep's 4530. Truncating both
+// 3xTF32 parts leaves the products about 3 * 2^-20 relative error instead of about 3 * 2^-22, far
+// below Aw's bf16 rounding. Measured in the nineteenth session (scripts/prep_variants.py): the
+// tensor-core preps 0.86-0.90x the time, the oracle's error unchanged (docs/kernel-notes.md).
+__device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 // d += a b for one m16n8k8 tile. Fragments (PTX ISA, lane = 4 g + q):
 //   a: (g, q), (g + 8, q), (g, q + 4), (g + 8, q + 4);  b: (q, g), (q + 4, g)

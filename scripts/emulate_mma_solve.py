@@ -1,14 +1,13 @@
-"""The prep's tensor-core A0 solve for one v-head (csrc/gdn_prep_solve_mma.cuh, in
-docs/pending/prep-mma-solve.patch until it has run on the H200) emulated on the
+"""The prep's tensor-core A0 solve for one v-head (csrc/gdn_prep_solve_mma.cuh) emulated on the
 CPU lane by lane: the same shared-memory tile (kk, 64 rows of 68 floats, X into its upper
 triangle), the same per-thread index arithmetic, and each mma.sync m16n8k8 built from the 32
-lanes' fragment registers as the PTX ISA lays them out (TF32 operands rounded to nearest, ties
-away; fp32 accumulation). A wrong fragment index or a wrong k order shows as a large error
-against the float64 inverse; the check before the kernel runs on the H200. With --trunc the
-TF32 parts are taken by truncation (the low 13 bits cleared), as FQT_SOLVE_TF32_TRUNC=1 builds
-them (eighteenth session).
+lanes' fragment registers as the PTX ISA lays them out (TF32 operands truncated, the low 13 bits
+cleared, as the kernel takes them since the nineteenth session; fp32 accumulation). A wrong
+fragment index or a wrong k order shows as a large error against the float64 inverse: the check
+to run before a changed solve goes to the H200. With --rna the TF32 parts are rounded to nearest,
+ties away (cvt.rna.tf32.f32), as the kernel took them before.
 
-    python3 scripts/emulate_mma_solve.py [--trunc]
+    python3 scripts/emulate_mma_solve.py [--rna]
 """
 from __future__ import annotations
 
@@ -19,12 +18,12 @@ import numpy as np
 PAD = 68
 
 
-TRUNCATE = False  # --trunc: FQT_SOLVE_TF32_TRUNC's split
+TRUNCATE = True  # --rna: False, the split the kernel used before the nineteenth session
 
 
 def tf32(x: np.float32) -> np.float32:
-    """cvt.rna.tf32.f32: keep 10 mantissa bits, round to nearest with ties away from zero (with
-    TRUNCATE: clear the 13 low bits)."""
+    """Keep 10 mantissa bits: clear the 13 low bits (TRUNCATE), else cvt.rna.tf32.f32's round to
+    nearest with ties away from zero."""
     bits = np.array([x], np.float32).view(np.uint32)[0]
     bits = np.uint32((int(bits) + (0 if TRUNCATE else 0x1000)) & 0xFFFFE000)
     return np.array([bits], np.uint32).view(np.float32)[0]
@@ -208,5 +207,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    TRUNCATE = "--trunc" in sys.argv[1:]
+    TRUNCATE = "--rna" not in sys.argv[1:]
     sys.exit(main())

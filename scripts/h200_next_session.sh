@@ -11,6 +11,8 @@
 #                                                 tests, then the host step, on GPU 0; pair-score's second
 #                                                 half on GPU 1
 #   bash scripts/h200_next_session.sh host-then-half   the host step alone, then pair-score's first half
+#   bash scripts/h200_next_session.sh half 1|2    on one H200: pair-score's first or second half alone
+#                                                 (two calls make the whole scoreboard)
 #   bash scripts/h200_next_session.sh pair-score  on nvidia-h200-x2: the cp-bench scoreboard of all six head
 #                                                 configurations, three on each GPU (OUT/gpu0, OUT/gpu1), then
 #                                                 the host step on GPU 0 once its half is done
@@ -335,6 +337,11 @@ case "${1:-tests}" in
     tail -n 1 "$OUT/host_overhead.log" | cut -c1-500
     SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 "${FIRST_HALF[@]}"
     pack_score_half 0 ;;
+  half)
+    # one half of the scoreboard on GPU 0 (when no x2 is lent), kept as scoreboard-gpu0.tar.gz
+    [ "${2:-}" = 1 ] && half=("${FIRST_HALF[@]}") || half=("${SECOND_HALF[@]}")
+    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 0 "${half[@]}"
+    pack_score_half 0 ;;
   pair-score)
     score_half 0 "${FIRST_HALF[@]}" &
     score_half 1 "${SECOND_HALF[@]}" &
@@ -461,5 +468,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac

@@ -31,15 +31,11 @@ from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 # FQT_PREP_AW_SPLIT, FQT_PREP_QK_IN_Q and FQT_PREP_AW_ALL_HEADS (fourteenth session).
 # FQT_PREP_AW_PAIRS (Aw by packed 4-byte column pairs, one shuffle per two elements) lost in the
 # eighteenth session (1.05x the prep's time) and is gone.
-# Pending (eighteenth session, written and SASS-inspected, not yet run): FQT_PREP_ITEM_SMEM=1 has
-# thread 0 decode each next item once into shared memory for the others (bitwise the product);
-# FQT_SOLVE_TF32_TRUNC=1 (csrc/gdn_prep_solve_mma.cuh) splits the tensor-core solve's 3xTF32
-# operands by truncation instead of cvt.rna, which changes the solve's rounding, so its bits differ
-# from the product's by design and only the oracle judges it (scripts/emulate_mma_solve.py --trunc
-# predicts X's error on the CPU).
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "product": (), "item_smem": ("-DFQT_PREP_ITEM_SMEM=1",), "tf32_trunc": ("-DFQT_SOLVE_TF32_TRUNC=1",),
-    "both": ("-DFQT_PREP_ITEM_SMEM=1", "-DFQT_SOLVE_TF32_TRUNC=1")}
+# FQT_PREP_ITEM_SMEM (thread 0 decodes each next item once into shared memory for the others) and
+# FQT_SOLVE_TF32_TRUNC (the tensor-core solve's 3xTF32 split by truncation instead of cvt.rna) won
+# together in the nineteenth session (0.79-0.97x the prep's time, the oracle's error unchanged) and
+# are the product now. A new switch goes in beside "product" as name: ("-DNAME=1",).
+VARIANTS: dict[str, tuple[str, ...]] = {"product": ()}
 # (hqk, hv, prep_threads or None for the default plan's): one, four, two and three v-heads per
 # q/k head on their default plans (128 threads but for four v-heads; fifteenth session)
 PLANS = [(16, 16, None), (2, 8, None), (16, 32, None), (8, 24, None)]
