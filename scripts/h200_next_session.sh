@@ -11,6 +11,9 @@
 #                                                 tests, then the host step, on GPU 0; pair-score's second
 #                                                 half on GPU 1
 #   bash scripts/h200_next_session.sh host-then-half   the host step alone, then pair-score's first half
+#   bash scripts/h200_next_session.sh gpu-tests EXPR   the forward GPU tests matching the -k expression EXPR
+#   bash scripts/h200_next_session.sh host-alone  the host step without FLA and FlashQLA, then the
+#                                                 host queue probe (scripts/host_queue_probe.py)
 #   bash scripts/h200_next_session.sh half 1|2    on one H200: pair-score's first or second half alone
 #                                                 (two calls make the whole scoreboard)
 #   bash scripts/h200_next_session.sh pair-score  on nvidia-h200-x2: the cp-bench scoreboard of all six head
@@ -337,6 +340,16 @@ case "${1:-tests}" in
     tail -n 1 "$OUT/host_overhead.log" | cut -c1-500
     SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 "${FIRST_HALF[@]}"
     pack_score_half 0 ;;
+  gpu-tests)
+    timeout "${TESTS_TIMEOUT_S:-400}" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+      --durations=0 -k "$2" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 2
+    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true ;;
+  host-alone)
+    timeout 120 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
+    tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
   half)
     # one half of the scoreboard on GPU 0 (when no x2 is lent), kept as scoreboard-gpu0.tar.gz
     [ "${2:-}" = 1 ] && half=("${FIRST_HALF[@]}") || half=("${SECOND_HALF[@]}")
@@ -461,12 +474,12 @@ case "${1:-tests}" in
     tail -n 30 "$OUT/scoreboard_run.log" ;;
   variants)
     timeout 540 python3 -P scripts/prep_variants.py "$OUT" > "$OUT/prep_variants.log" 2>&1
-    echo "variants rc=$?"; grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 12 | cut -c1-400 ;;
+    echo "variants rc=$?"; grep -E "prep_ms|worst|Error" "$OUT/prep_variants.log" | tail -n 32 | cut -c1-400 ;;
   split)
     timeout 240 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
       -k "context_parallel or forced_short" > "$OUT/gpu_tests_cp.log" 2>&1
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | gpu-tests | host-alone | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac

@@ -37,12 +37,18 @@ from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 # are the product now. A new switch goes in beside "product" as name: ("-DNAME=1",).
 VARIANTS: dict[str, tuple[str, ...]] = {"product": ()}
 # (hqk, hv, prep_threads or None for the default plan's): one, four, two and three v-heads per
-# q/k head on their default plans (128 threads but for four v-heads; fifteenth session)
-PLANS = [(16, 16, None), (2, 8, None), (16, 32, None), (8, 24, None)]
+# q/k head on their default plans (128 threads but for four v-heads; fifteenth session), then the
+# four-head plans at 128 threads beside their default 256: the tensor-core solve that 128 threads
+# take got cheaper in the nineteenth session, and 8/32 8192x4 (the prep 40% of the call) and 4/16
+# 1024x8 are rows slower than FlashQLA. The 128- and 256-thread solves differ in bits, so the plan
+# chooses, not the call's shape (batch invariance).
+PLANS = [(16, 16, None), (2, 8, None), (16, 32, None), (8, 24, None),
+         (2, 8, 128), (4, 16, None), (4, 16, 128), (8, 32, None), (8, 32, 128)]
 # (plan index, seqlens, decay, l2norm): tails that are not a multiple of 64, varlen, strong/weak/zero
 CHECKS = [(0, [1000, 37], "mixed", True), (1, [777, 1500, 63], "strong", False), (2, [2100, 300], "zero", False),
           (3, [5000, 129], "weak", True),
-          (1, [37] * 100 + [100] * 31, "mixed", True)]  # more sequences than shared memory keeps
+          (1, [37] * 100 + [100] * 31, "mixed", True),  # more sequences than shared memory keeps
+          (4, [777, 1500, 63], "strong", False), (6, [3000, 200], "weak", True), (8, [2100, 300], "zero", False)]
 TIMED = [(i, Case(hqk, hv, seqlens)) for i, (hqk, hv, _) in enumerate(PLANS)
          for seqlens in ((32768,), (8192,) * 4, (1024,) * 8)]
 

@@ -7,6 +7,7 @@ Compute's source view on the H200 weighs them (docs/kernel-notes.md, eighteenth 
 prep's tf32 conversions and item decodes found this way).
 
     python scripts/sass_by_line.py 16/16 [--kernel gdn_prep_kernel] [--top 30] [-D NAME=VALUE ...]
+        [--opcode STL --opcode LDL]   (only those opcodes: where the spills are)
 """
 from __future__ import annotations
 
@@ -82,14 +83,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kernel", default="gdn_prep_kernel", help="part of the mangled function name")
     parser.add_argument("--top", type=int, default=30, help="source lines to print")
     parser.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE for a switch build")
+    parser.add_argument("--opcode", action="append", default=[], help="count only this opcode (repeatable)")
     args = parser.parse_args(argv)
     hqk, hv = parse_heads(args.heads)
     plan = default_plan(GDNSpec(hqk, hv))
     config = BuildConfig(extra_flags=("-DNDEBUG", "-lineinfo", *(f"-D{d}" for d in args.defines)))
     entry = cache.get_kernels([plan], config=config)[0]
     counts, opcodes = attribute(disassemble(entry.so_path), args.kernel)
+    if args.opcode:
+        opcodes = {where: Counter({op: n for op, n in ops.items() if op in args.opcode}) for where, ops in opcodes.items()}
+        counts = Counter({where: sum(ops.values()) for where, ops in opcodes.items() if ops})
     total = sum(counts.values())
-    print(f"{plan.name} {args.kernel}: {total} SASS instructions ({' '.join(args.defines) or 'product build'})")
+    which = f"{'/'.join(args.opcode)} instructions" if args.opcode else "SASS instructions"
+    print(f"{plan.name} {args.kernel}: {total} {which} ({' '.join(args.defines) or 'product build'})")
     for (file, line), n in counts.most_common(args.top):
         ops = ", ".join(f"{op} {k}" for op, k in opcodes[(file, line)].most_common(4))
         text = source_text(config.csrc_dir, file, line)[:90]

@@ -360,3 +360,44 @@ def test_variant_check_fields_report_error_unwritten_elements_and_bit_equality()
     unwritten[1, 2] = float("nan")
     assert check_fields(o, unwritten, ref_o, ref_s, (o, s))["nan"]  # NaN in the state alone counts
     assert check_fields(o * 2, s, ref_o, ref_s, (o, s))["o"] == pytest.approx(1.0)
+
+
+def _scoreboard_for_join(rows, torch_version="2.11", gpu="NVIDIA H200"):
+    """A minimal scoreboard JSON as runner.run writes it (a test double: synthetic times)."""
+    return {"meta": {"environment": {"date": "2026-12-01 00:00 UTC", "versions": {"torch": torch_version},
+                                     "gpu": {"name": gpu, "sm_count": 132}, "driver": "1"},
+                     "modes": ["graph"], "protocol": "synthetic", "flops_per_token_head": 1.0},
+            "impls": {name: {"available": True, "version": "0", "note": "test double"}
+                      for name in ("flashqla_tune_warmup", "flashqla")},
+            "rows": [{"heads": h, "seqlens": s, "tokens": 1,
+                      "times": {"flashqla_tune_warmup": {"graph": {"median_ms": ours}},
+                                "flashqla": {"graph": {"median_ms": anchor}}}} for h, s, ours, anchor in rows]}
+
+
+def test_join_makes_one_summary_of_two_halves_and_refuses_what_does_not_belong(tmp_path):
+    from flashqla_tune.cli.bench import main as bench_main
+    first = _scoreboard_for_join([("16/16", "1x8192", 0.8, 1.0)])
+    second = _scoreboard_for_join([("8/32", "1x8192", 1.25, 1.0), ("8/32", "1024x8", 0.5, 1.0)])
+    joined = report.join([first, second], ["a.json", "b.json"])
+    assert [r["heads"] for r in joined["rows"]] == ["16/16", "8/32", "8/32"]
+    line = next(l for l in report.summary_table(joined, "graph") if "| flashqla |" in l)
+    assert f"{(0.8 * 1.25 * 0.5) ** (1 / 3):.3f}" in line and "2 of 3" in line and "1.25 (8/32 1x8192)" in line
+    assert "joined from a.json" in joined["meta"]["notes"][-1] and "notes" not in first["meta"]
+    with pytest.raises(ValueError, match="row 16/16 1x8192 is in both a.json and c.json"):
+        report.join([first, first], ["a.json", "c.json"])
+    with pytest.raises(ValueError, match="b.json: versions .*2.10"):
+        report.join([first, _scoreboard_for_join([], torch_version="2.10")], ["a.json", "b.json"])
+    with pytest.raises(ValueError, match="b.json: GPU 'NVIDIA H100'"):
+        report.join([first, _scoreboard_for_join([], gpu="NVIDIA H100")], ["a.json", "b.json"])
+    # the command line: files in, one scoreboard out, no GPU touched
+    paths = []
+    for name, part in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(part))
+        paths += ["--join", str(tmp_path / name)]
+    assert bench_main([*paths, "--out", str(tmp_path / "out"), "--stem", "joined"]) == 0
+    assert "2 of 3" in (tmp_path / "out" / "joined.md").read_text()
+    with pytest.raises(ValueError, match="give --out"):
+        bench_main(paths)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json: not a readable scoreboard JSON"):
+        bench_main(["--join", str(tmp_path / "bad.json"), "--join", str(tmp_path / "a.json"), "--out", str(tmp_path)])

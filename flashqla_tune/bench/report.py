@@ -178,6 +178,40 @@ def render_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def join(parts: list[dict], names: list[str]) -> dict:
+    """One scoreboard from runs of disjoint rows (the halves two GPUs or two calls measured), so
+    the targets read off one summary. The runs must agree on the GPU, the versions, the modes and
+    the implementations; a row measured twice is refused (a repeat is a separate scoreboard).
+    The first run's ceilings stand for all (each row's floor was computed in its own run)."""
+    if len(parts) < 2 or len(parts) != len(names):
+        raise ValueError(f"join needs two or more scoreboards, each with a name (got {len(parts)} and {len(names)})")
+    first = parts[0]
+
+    def same(what, get):
+        want = get(first)
+        for name, part in zip(names[1:], parts[1:]):
+            if get(part) != want:
+                raise ValueError(f"{name}: {what} {get(part)!r} differs from {names[0]}'s {want!r}")
+
+    same("GPU", lambda r: (r["meta"]["environment"].get("gpu") or {}).get("name"))
+    same("versions", lambda r: r["meta"]["environment"]["versions"])
+    same("modes", lambda r: list(r["meta"]["modes"]))
+    same("implementations", lambda r: sorted(r["impls"]))
+    rows, seen = [], {}
+    for name, part in zip(names, parts):
+        for row in part["rows"]:
+            key = (row["heads"], row["seqlens"])
+            if key in seen:
+                raise ValueError(f"row {key[0]} {key[1]} is in both {seen[key]} and {name}")
+            seen[key] = name
+            rows.append(row)
+    meta = json.loads(json.dumps(first["meta"]))  # a copy: the parts stay as read
+    meta["notes"] = list(meta.get("notes", [])) + [
+        "joined from " + ", ".join(f"{n} ({p['meta']['environment']['date']}, {len(p['rows'])} rows)"
+                                   for n, p in zip(names, parts)) + "; ceilings are the first run's"]
+    return {"meta": meta, "impls": first["impls"], "rows": rows}
+
+
 def write(results: dict, out_dir, stem: str = "scoreboard") -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,12 +28,17 @@ def add_parser(sub):
                    help="compile FLA/FlashQLA kernels for every head configuration in parallel processes first")
     p.add_argument("--sample-budget-s", type=float, default=0.3, metavar="S",
                    help="time spent per measurement beyond the 10-sample minimum (default 0.3)")
+    p.add_argument("--join", action="append", metavar="JSON",
+                   help="no timing (no GPU needed): join scoreboard JSON files of disjoint rows (repeatable, two "
+                        "or more) into one scoreboard with one summary, written to --out as --stem")
     p.add_argument("--torch-max-tokens", type=int, metavar="N",
                    help="time the PyTorch baseline only on rows of at most N tokens (short device budgets)")
     return p
 
 
 def run(args) -> int:
+    if args.join:
+        return _join(args)
     import time
 
     import torch
@@ -79,6 +84,26 @@ def run(args) -> int:
                          log=lambda m: print(m, flush=True), prewarm=prewarm,
                          impl_max_tokens=None if args.torch_max_tokens is None else {"torch": args.torch_max_tokens})
     print(report.render_markdown(results))
+    return 0
+
+
+def _join(args) -> int:
+    import json
+    from pathlib import Path
+
+    from ..bench import report
+
+    if not args.out:
+        raise ValueError("--join writes a scoreboard: give --out DIR")
+    parts = []
+    for name in args.join:
+        try:
+            parts.append(json.loads(Path(name).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--join {name}: not a readable scoreboard JSON ({exc})") from exc
+    joined = report.join(parts, args.join)
+    md, _ = report.write(joined, args.out, args.stem)
+    print(md.read_text())
     return 0
 
 
