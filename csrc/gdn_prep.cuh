@@ -60,6 +60,19 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
+// Measurement switch (scripts/prep_variants.py); products build with the default. 1: with 256
+// threads and two to four v-heads per q/k head (one head batch: 2/8, 4/16, 8/32), the four warp
+// pairs solve their heads at once on the tensor cores (gdn_prep_solve_mma.cuh), each into an X
+// tile of its own: head 0's in K K^T's upper triangle, head 1's in the Q K^T tile (P is written
+// first, by all threads), heads 2 and 3 in two tiles after the item slots (34 KB more shared
+// memory; two CTAs still fit an SM). The product solves those heads a column per thread in
+// registers: 2549 of the 2/8 prep's 7152 SASS instructions are that solve's FFMAs (eighteenth
+// session). The tensor-core solve at 128 threads takes the heads one after another, which lost on
+// 1024x8 (fifteenth session); here they run side by side.
+#ifndef FQT_PREP_TC_HEADS
+#define FQT_PREP_TC_HEADS 0
+#endif
+
 // P's octets and the normalised q/k quartets leave by one 16- or 8-byte store each. Written as
 // uint4 / uint2 assignments, nvcc 13.0 split them into 4-byte stores, and Nsight Compute counted
 // those P stores as 59-61% of the prep's global sectors excessive (seventeenth session; the inline
@@ -188,7 +201,12 @@ struct PrepConfig {
   static constexpr int SeqCacheBytes = int(sizeof(int64_t)) * (kPrepSeqCache + 1);
   // Two decoded-item slots after that (PrepItemSlot)
   static constexpr int ItemSlotBytes = 2 * 64;
-  static constexpr int SmemBytes = int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes;
+  // FQT_PREP_TC_HEADS: two more X tiles after that, 16-byte aligned for for_each_in_x_column
+  static constexpr int XTileBytes = kChunk * kPrepPad * int(sizeof(float));
+  static constexpr int ExtraXOffset = (int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes + 127) / 128 * 128;
+  static constexpr int SmemBytes = FQT_PREP_TC_HEADS && Threads == 256
+                                       ? ExtraXOffset + 2 * XTileBytes
+                                       : int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes;
   static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
 };
 
@@ -541,6 +559,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       // P, then all write its Aw). Prep on 8192x4: 16/16 0.203 -> 0.177 ms, 16/32 0.291 -> 0.284;
       // with three (8/24) the rounds lost 2-6% (kernel-notes, fourteenth session).
       constexpr bool kAwByAll = kTensorCoreSolve && Threads == 128 && G <= 2;
+      // FQT_PREP_TC_HEADS: with 256 threads, the batch's heads solved at once on the tensor cores
+      constexpr bool kSolveHeadsAtOnce =
+          FQT_PREP_TC_HEADS && Threads == 256 && G > 1 && G <= HeadBatch && prep_runs(kAblateSolve);
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another
@@ -558,11 +579,38 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           }
         };
       };
+      // 5. P with the decay mask (store_p_octet), and the slot's gamma row, for heads [h_lo, h_hi)
+      //    of the batch by threads p_first.. of the CTA. P reads only the Q K^T tile and the gates.
+      auto write_p = [&](int h_lo, int h_hi, int p_first) {
+        const int p_threads = Threads - p_first, ptid = tid - p_first;
+        for (int h = h_lo; h < (prep_runs(kAblatePOut) && prep_runs(kAblateQ) && ptid >= 0 ? h_hi : h_lo); ++h) {
+          const int hv = hqk * G + hb + h;
+          const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+          const float* gam = ss.gamma[h];
+          Elem* pm = static_cast<Elem*>(args.p) + base;
+          for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
+            store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
+          if (ptid < kChunk)
+            args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
+        }
+      };
       // kAwByAll: one round per head of the batch (the solve, P and Aw of head h); otherwise one
       // round for the whole batch.
       for (int round = 0; round < (kAwByAll ? nb : 1); ++round) {
         const int h_lo = kAwByAll ? round : 0, h_hi = kAwByAll ? round + 1 : nb;
-        if constexpr (kTensorCoreSolve) {
+        if constexpr (kSolveHeadsAtOnce) {
+          // P first, by every thread: head 1's X takes the Q K^T tile. Then warp pair h solves
+          // head h with named barrier 1 + h (barrier 0 is __syncthreads) and streams its Aw.
+          write_p(h_lo, h_hi, 0);
+          __syncthreads();
+          const int h = tid / kChunk, c = tid % kChunk;
+          if (h < nb) {
+            float* extra_x = reinterpret_cast<float*>(smem_raw + Cfg::ExtraXOffset);
+            float* xt = h == 0 ? ss.kk : (h == 1 ? ss.qk_tile() : extra_x + (h - 2) * kChunk * kPrepPad);
+            solve_mma::solve_into<kPrepPad>(ss.kk, xt, ss.beta[h], c, 1 + h);
+            for_each_in_x_column<kPrepPad>(xt, c, aw_column_store(h, c));
+          }
+        } else if constexpr (kTensorCoreSolve) {
           // Exactly threads 0..63 get here: the 64 threads that named barrier 1 inside the solve
           // waits for. No other thread of the CTA may use barrier 1.
           static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
@@ -615,23 +663,13 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
           }
         }
 
-        // 5. P with the decay mask (store_p_octet), and the slot's gamma row. When the solve
-        //    leaves threads idle (fewer v-heads than a batch holds: one per q/k head on 16/16 with
-        //    128 threads, two on 16/32 with 256), those threads write all of P while the others
-        //    solve, which takes P off the item's critical path; otherwise every thread writes its
-        //    share after its column. P reads only the Q K^T tile and the gates, both final here.
+        // 5. P (above). When the solve leaves threads idle (fewer v-heads than a batch holds: one
+        //    per q/k head on 16/16 with 128 threads, two on 16/32 with 256), those threads write
+        //    all of P while the others solve, which takes P off the item's critical path;
+        //    otherwise every thread writes its share after its column.
         const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
         const int p_threads = Threads - p_first, ptid = tid - p_first;
-        for (int h = h_lo; h < (prep_runs(kAblatePOut) && prep_runs(kAblateQ) && ptid >= 0 ? h_hi : h_lo); ++h) {
-          const int hv = hqk * G + hb + h;
-          const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-          const float* gam = ss.gamma[h];
-          Elem* pm = static_cast<Elem*>(args.p) + base;
-          for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
-            store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
-          if (ptid < kChunk)
-            args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
-        }
+        if constexpr (!kSolveHeadsAtOnce) write_p(h_lo, h_hi, p_first);
         if constexpr (Cfg::QkInQ) {
           // The last batch's P has read Q K^T: once every P thread is past it, the q tile is free
           // for the next item (the proxy fence orders these generic reads before the TMA's writes).

@@ -9,8 +9,9 @@
 // (X_ab^T = -(X_bb^T L_ab^T) X_aa^T): X^T is what shared memory holds row-major, and the first
 // product's accumulators serve as the second's A operand without shuffles, by taking the k index
 // in the order the accumulator fragment holds it (a product does not depend on the order of k).
-// X (unit lower triangular) goes into K K^T's upper triangle, X[i][j] at kk[j * Pad + i]; L reads
-// only the lower one. Each stage writes blocks that no thread of the same stage reads.
+// X (unit lower triangular) goes into K K^T's upper triangle, X[i][j] at kk[j * Pad + i], or with
+// solve_into into a tile of its own at the same positions; L reads only K K^T's lower triangle.
+// Each stage writes blocks that no thread of the same stage reads.
 #pragma once
 #include <stdint.h>
 
@@ -55,15 +56,17 @@ __device__ __forceinline__ void mma_3xtf32(float (&d)[4], const float (&a)[4], c
 
 template <int Pad>
 struct Tiles {
-  float* kk;          // K K^T, fp32, rows of Pad floats; X goes into its upper triangle
+  const float* kk;    // K K^T, fp32, rows of Pad floats; the solve reads its lower triangle
+  float* xt;          // where X goes: X[i][j] at xt[j * Pad + i] for i > j. K K^T's own upper
+                      // triangle (xt == kk), or a tile of its own when several heads solve at once
   const float* beta;  // b of the v-head, 64 rows (0 past the sequence end)
   // L[i][j], i > j
   __device__ __forceinline__ float l(int i, int j) const { return beta[i] * kk[i * Pad + j]; }
   // X[i][j]: stored below the diagonal, 1 on it, 0 above
   __device__ __forceinline__ float x(int i, int j) const {
-    return i > j ? kk[j * Pad + i] : (i == j ? 1.f : 0.f);
+    return i > j ? xt[j * Pad + i] : (i == j ? 1.f : 0.f);
   }
-  __device__ __forceinline__ void set_x(int i, int j, float v) const { kk[j * Pad + i] = v; }
+  __device__ __forceinline__ void set_x(int i, int j, float v) const { xt[j * Pad + i] = v; }
 };
 
 // Stage 0: thread t (0..63) solves column c = t % 16 of diagonal block a = t / 16.
@@ -131,17 +134,32 @@ __device__ __forceinline__ void offdiagonal_block(const Tiles<Pad>& s, int ra, i
 
 __device__ __forceinline__ void sync64() { asm volatile("bar.sync 1, 64;" ::: "memory"); }
 
-// The whole solve on threads 0..63 (two warps); the caller's other threads must not use barrier 1.
-template <int Pad>
-__device__ __forceinline__ void solve(float* kk, const float* beta, int t) {
-  const Tiles<Pad> s{kk, beta};
+// The whole solve on the 64 threads t = 0..63 (two warps) that `sync` (a barrier of exactly them)
+// waits for, with X into s.xt.
+template <int Pad, class Sync>
+__device__ __forceinline__ void solve_tiles(const Tiles<Pad>& s, int t, Sync&& sync) {
   const int w = t / 32, lane = t % 32;
   diagonal_blocks(s, t);
-  sync64();
+  sync();
   offdiagonal_block<Pad, 1>(s, 16 + 32 * w, 32 * w, 0, lane);  // warp 0: X_10, warp 1: X_32
-  sync64();
+  sync();
   offdiagonal_block<Pad, 2>(s, 32, 0, w, lane);  // X_HL, 16 of its columns per warp
-  sync64();
+  sync();
+}
+
+// On threads 0..63 with X into K K^T's upper triangle; the caller's other threads must not use
+// barrier 1.
+template <int Pad>
+__device__ __forceinline__ void solve(float* kk, const float* beta, int t) {
+  solve_tiles(Tiles<Pad>{kk, kk, beta}, t, [] { sync64(); });
+}
+
+// One of several solves at once, each on its own 64 threads (t = 0..63 within them) with its own
+// named barrier `bar` and its own X tile `xt` (which may be K K^T itself for one of them: each
+// writes only its X tile's upper triangle and reads only K K^T's lower one).
+template <int Pad>
+__device__ __forceinline__ void solve_into(const float* kk, float* xt, const float* beta, int t, int bar) {
+  solve_tiles(Tiles<Pad>{kk, xt, beta}, t, [bar] { asm volatile("bar.sync %0, 64;" ::"r"(bar) : "memory"); });
 }
 
 }  // namespace solve_mma

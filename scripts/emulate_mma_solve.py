@@ -5,9 +5,11 @@ lanes' fragment registers as the PTX ISA lays them out (TF32 operands truncated,
 cleared, as the kernel takes them since the nineteenth session; fp32 accumulation). A wrong
 fragment index or a wrong k order shows as a large error against the float64 inverse: the check
 to run before a changed solve goes to the H200. With --rna the TF32 parts are rounded to nearest,
-ties away (cvt.rna.tf32.f32), as the kernel took them before.
+ties away (cvt.rna.tf32.f32), as the kernel took them before. With --separate-x, X goes into a
+NaN-filled tile of its own, as FQT_PREP_TC_HEADS solves heads 1..3: every X read must then find
+a cell an earlier stage wrote.
 
-    python3 scripts/emulate_mma_solve.py [--rna]
+    python3 scripts/emulate_mma_solve.py [--rna] [--separate-x]
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ PAD = 68
 
 
 TRUNCATE = True  # --rna: False, the split the kernel used before the nineteenth session
+SEPARATE_X = False  # --separate-x: X into a tile of its own (FQT_PREP_TC_HEADS)
 
 
 def tf32(x: np.float32) -> np.float32:
@@ -30,12 +33,16 @@ def tf32(x: np.float32) -> np.float32:
 
 
 class Tiles:
-    """The shared-memory tile as the kernel's accessors see it; it records which cells a stage
-    reads, so each stage can be checked to write only cells that none of its threads read."""
+    """The shared-memory tiles as the kernel's accessors see them: L from K K^T's lower triangle,
+    X into `xt` (K K^T itself, or with --separate-x a tile of its own filled with NaN first, as
+    FQT_PREP_TC_HEADS gives heads 1..3). It records which cells a stage reads, so each stage can be
+    checked to write only cells none of its threads read, and to read X only where it was written."""
 
-    def __init__(self, kk: np.ndarray, beta: np.ndarray):
+    def __init__(self, kk: np.ndarray, beta: np.ndarray, xt: np.ndarray | None = None):
         self.kk, self.beta = kk, beta  # kk: flat float32 [64 * PAD]
+        self.xt = kk if xt is None else xt
         self.reads: set[int] = set()
+        self.x_reads: set[int] = set()
 
     def read(self, index):
         self.reads.add(index)
@@ -45,10 +52,14 @@ class Tiles:
         return np.float32(self.beta[i] * self.read(i * PAD + j))
 
     def x(self, i, j):
-        return self.read(j * PAD + i) if i > j else (np.float32(1) if i == j else np.float32(0))
+        if i > j:
+            self.reads.add(j * PAD + i)
+            self.x_reads.add(j * PAD + i)
+            return self.xt[j * PAD + i]
+        return np.float32(1) if i == j else np.float32(0)
 
     def set_x(self, i, j, v):
-        self.kk[j * PAD + i] = v
+        self.xt[j * PAD + i] = v
 
 
 def mma(d, a, b):
@@ -133,17 +144,18 @@ def offdiagonal_block(s: Tiles, ra: int, cb: int, w: int, M: int):
 
 
 def solve(kk: np.ndarray, beta: np.ndarray) -> np.ndarray:
-    s = Tiles(kk, beta)
+    s = Tiles(kk, beta, np.full_like(kk, np.nan) if SEPARATE_X else None)
     stages = [lambda: diagonal_blocks(s)]
     for blocks in ([(16, 0, 0, 1), (48, 32, 0, 1)], [(32, 0, 0, 2), (32, 0, 1, 2)]):
         stages.append(lambda blocks=blocks: [wr for ra, cb, w, M in blocks for wr in offdiagonal_block(s, ra, cb, w, M)])
     written: set[int] = set()
     for number, stage in enumerate(stages):
         # a stage's threads all compute from the tile as the barrier left it, then their stores land
-        s.reads = set()
+        s.reads, s.x_reads = set(), set()
         writes = stage()
         cells = {j * PAD + i for i, j, _ in writes}
         assert not cells & s.reads, f"stage {number} reads {len(cells & s.reads)} cells it writes"
+        assert s.x_reads <= written, f"stage {number} reads {len(s.x_reads - written)} cells of X no stage wrote"
         assert len(cells) == len(writes) and not cells & written, f"stage {number} writes a cell twice"
         written |= cells
         for i, j, v in writes:
@@ -208,4 +220,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     TRUNCATE = "--rna" not in sys.argv[1:]
+    SEPARATE_X = "--separate-x" in sys.argv[1:]
     sys.exit(main())
