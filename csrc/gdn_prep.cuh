@@ -84,7 +84,6 @@ constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 // (geomean of 12 rows, bitwise the same; eighteenth session, docs/kernel-notes.md).
 constexpr int kPrepSeqCache = 128;
 
-
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
@@ -244,9 +243,9 @@ struct PrepItem {
 // An item as thread 0 decoded it, and the index of the item after it. Thread 0 alone finds and
 // decodes each next item, into one of two shared-memory slots the other threads read after the
 // item's barriers: every thread decoding it for itself took about 1100 of the 16/16 prep's 4530
-// SASS instructions (int64 offsets, clamps, the binary search), and dropping that made the
-// preps 0.90-0.97x the time but for 16/32, where it spilled until the TF32 split was truncated
-// (eighteenth and nineteenth sessions, docs/kernel-notes.md).
+// SASS instructions (int64 offsets, clamps, the binary search). Alone it made the preps
+// 0.90-0.97x the time on 16/16 and 8/24 (2/8 0.91-1.01), but 16/32 1.05x, where it spilled until
+// the TF32 split was truncated (eighteenth and nineteenth sessions, docs/kernel-notes.md).
 struct PrepItemSlot {
   PrepItem it;
   int64_t next;

@@ -23,7 +23,7 @@ namespace solve_mma {
 // range test, an add, a mask and selects): about 650 of the 16/16 prep's 4530. Truncating both
 // 3xTF32 parts leaves the products about 3 * 2^-20 relative error instead of about 3 * 2^-22, far
 // below Aw's bf16 rounding. Measured in the nineteenth session (scripts/prep_variants.py): the
-// tensor-core preps 0.86-0.90x the time, the oracle's error unchanged (docs/kernel-notes.md).
+// tensor-core preps 0.86-0.96x the time, the oracle's error unchanged (docs/kernel-notes.md).
 __device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 // d += a b for one m16n8k8 tile. Fragments (PTX ISA, lane = 4 g + q):

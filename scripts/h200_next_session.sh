@@ -352,7 +352,11 @@ case "${1:-tests}" in
     tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
   half)
     # one half of the scoreboard on GPU 0 (when no x2 is lent), kept as scoreboard-gpu0.tar.gz
-    [ "${2:-}" = 1 ] && half=("${FIRST_HALF[@]}") || half=("${SECOND_HALF[@]}")
+    case "${2:-}" in
+      1) half=("${FIRST_HALF[@]}") ;;
+      2) half=("${SECOND_HALF[@]}") ;;
+      *) echo "half takes 1 or 2, not '${2:-}'" >&2; exit 2 ;;
+    esac
     SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 0 "${half[@]}"
     pack_score_half 0 ;;
   pair-score)
