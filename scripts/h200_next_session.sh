@@ -11,6 +11,9 @@
 #                                                 tests, then the host step, on GPU 0; pair-score's second
 #                                                 half on GPU 1
 #   bash scripts/h200_next_session.sh host-then-half   the host step alone, then pair-score's first half
+#   bash scripts/h200_next_session.sh tests-x1      on one H200: the forward GPU tests in tests-x2's four groups,
+#                                                 all four at once (the tests step's three processes did not
+#                                                 finish in its 420 s on a cold machine, nineteenth session)
 #   bash scripts/h200_next_session.sh gpu-tests EXPR   the forward GPU tests matching the -k expression EXPR
 #   bash scripts/h200_next_session.sh host-alone  the host step without FLA and FlashQLA, then the
 #                                                 host queue probe (scripts/host_queue_probe.py)
@@ -340,6 +343,11 @@ case "${1:-tests}" in
     tail -n 1 "$OUT/host_overhead.log" | cut -c1-500
     SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 "${FIRST_HALF[@]}"
     pack_score_half 0 ;;
+  tests-x1)
+    python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+    for i in 0 1 2 3; do forward_group "$i" 0 "${TESTS_TIMEOUT_S:-540}" & done
+    wait
+    collect_forward_groups ;;
   gpu-tests)
     timeout "${TESTS_TIMEOUT_S:-400}" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
       --durations=0 -k "$2" > "$OUT/gpu_tests.log" 2>&1
@@ -485,5 +493,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | gpu-tests | host-alone | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | tests-x1 | gpu-tests | host-alone | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac
