@@ -151,6 +151,11 @@ forward_group() {
   CUDA_VISIBLE_DEVICES=$2 timeout "$3" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
     -p no:cacheprovider --durations=0 -k "${FORWARD_GROUPS[$1]}" > "$OUT/gpu_tests_$1.log" 2>&1
 }
+# The host step without FLA and FlashQLA on GPU 0, timeout $1 seconds; its summary line printed.
+host_alone() {
+  CUDA_VISIBLE_DEVICES=0 timeout "$1" python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+  tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+}
 collect_forward_groups() {
   cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
@@ -162,8 +167,7 @@ case "${1:-tests}" in
     # on GPU 0 the CP, host-path, graph and two-per-SM GPU tests and the CP per-kernel split, on
     # GPU 1 the scoreboard's second half (pair-score)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
-    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    host_alone 110
     (CUDA_VISIBLE_DEVICES=0 timeout 270 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
        -k "$CP_HALF_TESTS" \
        --durations=0 > "$OUT/gpu_tests_cp.log" 2>&1
@@ -180,8 +184,7 @@ case "${1:-tests}" in
     # quiet host); then at once, on GPU 0 the CP and host-path GPU tests and the CP per-kernel split,
     # on GPU 1 the prep variants
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
-    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    host_alone 110
     (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
        -k "$CP_HALF_TESTS" --durations=0 > "$OUT/gpu_tests_cp.log" 2>&1
      CUDA_VISIBLE_DEVICES=0 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
@@ -296,8 +299,7 @@ case "${1:-tests}" in
     # tests on GPU 0 and, on GPU 1, the prep ablation and the CP per-kernel split of the rows the
     # guard's cost shows in; everything but the summaries in one archive (at most 8 files return)
     python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
-    CUDA_VISIBLE_DEVICES=0 timeout 110 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
-    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    host_alone 110
     CUDA_VISIBLE_DEVICES=0 forward_gpu_tests 430 > "$OUT/tests_summary.txt" 2>&1 &
     (CUDA_VISIBLE_DEVICES=1 timeout 270 python3 -P scripts/prep_ablation.py "$OUT" > "$OUT/prep_ablation.log" 2>&1
      CUDA_VISIBLE_DEVICES=1 timeout 140 python3 -P scripts/kernel_split.py "$OUT" --heads 16/16 --heads 4/16 \
@@ -339,8 +341,7 @@ case "${1:-tests}" in
   host-then-half)
     # the host step alone on a quiet host (the bench's parallel builds inflate host times by
     # 1.5-2x), then pair-score's first half in the time left
-    CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
-    tail -n 1 "$OUT/host_overhead.log" | cut -c1-500
+    host_alone 120
     SCORE_TIMEOUT_S=380 SCORE_BUDGET_S=310 score_half 0 "${FIRST_HALF[@]}"
     pack_score_half 0 ;;
   tests-x1)
@@ -354,8 +355,7 @@ case "${1:-tests}" in
     echo "gpu-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 2
     grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true ;;
   host-alone)
-    timeout 120 python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
-    tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+    host_alone 120
     timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
     tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
   half)
