@@ -60,19 +60,6 @@ enum : int {
 };
 constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
 
-// Measurement switch (scripts/prep_variants.py); products build with the default. 1: with 256
-// threads and two to four v-heads per q/k head (one head batch: 2/8, 4/16, 8/32), the four warp
-// pairs solve their heads at once on the tensor cores (gdn_prep_solve_mma.cuh), each into an X
-// tile of its own: head 0's in K K^T's upper triangle, head 1's in the Q K^T tile (P is written
-// first, by all threads), heads 2 and 3 in two tiles after the item slots (34 KB more shared
-// memory; two CTAs still fit an SM). The product solves those heads a column per thread in
-// registers: 2549 of the 2/8 prep's 7152 SASS instructions are that solve's FFMAs (eighteenth
-// session). The tensor-core solve at 128 threads takes the heads one after another, which lost on
-// 1024x8 (fifteenth session); here they run side by side.
-#ifndef FQT_PREP_TC_HEADS
-#define FQT_PREP_TC_HEADS 0
-#endif
-
 // P's octets and the normalised q/k quartets leave by one 16- or 8-byte store each. Written as
 // uint4 / uint2 assignments, nvcc 13.0 split them into 4-byte stores, and Nsight Compute counted
 // those P stores as 59-61% of the prep's global sectors excessive (seventeenth session; the inline
@@ -159,7 +146,7 @@ struct PrepConfig {
   static constexpr int Threads = Threads_;
   static_assert(Threads == 128 || Threads == 256, "the prep kernel runs one or two warp groups");
   static constexpr int HeadBatch = Threads / kChunk;  // v-heads per batch of gates (solved at once with 256
-                                                      // threads, one A0 column per thread; in turn with 128)
+                                                      // threads, a warp pair per head; in turn with 128)
   // With 128 threads, Q K^T lives in the q tile and the next item's q load waits until P has been
   // written: without its own 17 KB tile the prep fits four CTAs per SM instead of three (prep
   // 0.177 -> 0.173 ms on 16/16 8192x4, 0.306 -> 0.289 on 16/32; kernel-notes, fourteenth session).
@@ -200,10 +187,11 @@ struct PrepConfig {
   static constexpr int SeqCacheBytes = int(sizeof(int64_t)) * (kPrepSeqCache + 1);
   // Two decoded-item slots after that (PrepItemSlot)
   static constexpr int ItemSlotBytes = 2 * 64;
-  // FQT_PREP_TC_HEADS: two more X tiles after that, 16-byte aligned for for_each_in_x_column
+  // With 256 threads, two more X tiles after that (heads 2 and 3 of a batch solved at once, step 4
+  // of the kernel), 16-byte aligned for for_each_in_x_column. 108.8 KB: two CTAs still fit an SM.
   static constexpr int XTileBytes = kChunk * kPrepPad * int(sizeof(float));
   static constexpr int ExtraXOffset = (int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes + 127) / 128 * 128;
-  static constexpr int SmemBytes = FQT_PREP_TC_HEADS && Threads == 256
+  static constexpr int SmemBytes = Threads == 256
                                        ? ExtraXOffset + 2 * XTileBytes
                                        : int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes;
   static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
@@ -546,9 +534,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    of it has been stored. With several heads this took 16/32's prep from
       //    0.347 ms (128 threads, a column per thread and head) to 0.298 on 1x32768 and from 0.106
       //    to 0.089 on 1024x8, ahead of 256 threads' 0.335 and 0.121 (kernel-notes, twelfth session).
-      //    Otherwise (256 threads, several heads) one column per thread (head h = tid / 64, column
-      //    c = tid % 64), by forward substitution in registers: x_i = -b_i sum_{j < i} (k_i . k_j) x_j
-      //    for i > c, x_c = 1. Columns are independent, so no barrier; the warp reads the same
+      //    With 256 threads and more than four v-heads per q/k head (several head batches, whose
+      //    K K^T and Q K^T tiles the solve at once below would overwrite), one column per thread
+      //    (head h = tid / 64, column c = tid % 64), by forward substitution in registers:
+      //    x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1. Columns are independent, so no barrier; the warp reads the same
       //    K K^T row (a broadcast). Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing
       //    32 adjacent columns of a row.
       constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
@@ -558,9 +547,16 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       // P, then all write its Aw). Prep on 8192x4: 16/16 0.203 -> 0.177 ms, 16/32 0.291 -> 0.284;
       // with three (8/24) the rounds lost 2-6% (kernel-notes, fourteenth session).
       constexpr bool kAwByAll = kTensorCoreSolve && Threads == 128 && G <= 2;
-      // FQT_PREP_TC_HEADS: with 256 threads, the batch's heads solved at once on the tensor cores
-      constexpr bool kSolveHeadsAtOnce =
-          FQT_PREP_TC_HEADS && Threads == 256 && G > 1 && G <= HeadBatch && prep_runs(kAblateSolve);
+      // With 256 threads and two to four v-heads per q/k head (one head batch: 2/8, 4/16, 8/32), the
+      // four warp pairs solve their heads at once on the tensor cores, each into an X tile of its
+      // own: head 0's in K K^T's upper triangle, head 1's in the Q K^T tile (P is written first, by
+      // all threads), heads 2 and 3 in the two tiles after the item slots. It replaced a column per
+      // thread in registers (forward substitution, below), whose FFMAs were 2549 of the 2/8 prep's
+      // 7152 SASS instructions: prep 0.252 -> 0.208 ms on 8/32 1x32768, 0.069 -> 0.061 on 8/32
+      // 1024x8, 0.130 -> 0.108 on 4/16 1x32768 (twentieth session). 128 threads, which solve the
+      // heads one after another, are 1-4% faster than this on 1x32768 and 8192x4 and 2-20% slower
+      // on 1024x8 (kernel-notes).
+      constexpr bool kSolveHeadsAtOnce = Threads == 256 && G > 1 && G <= HeadBatch && prep_runs(kAblateSolve);
       // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
       // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
       // exponential of a selected result behind its own branch, so the steps ran one after another

@@ -177,7 +177,10 @@ def default_tiles(spec: GDNSpec) -> TileParams:
     128-thread times are from three CTAs per SM; the fourth, since the fourteenth session, made them
     2-8% faster again on 16/16, 16/32 and 8/24. With four CTAs per SM, four v-heads at 128 threads
     were 3-6% faster on the long rows and 8-15% slower on 1024x8 (fifteenth session,
-    docs/gpu-logs/2026-11-30-v15a-prep_variants-four_heads_p128.json): 256 still stay.)"""
+    docs/gpu-logs/2026-11-30-v15a-prep_variants-four_heads_p128.json): 256 still stay.) Since the
+    twentieth session 256 threads solve the four heads at once on the tensor cores: against 128
+    threads 1-4% slower on 1x32768 and 8192x4, 2-20% faster on 1024x8, 0.83-0.89x the column
+    solve's prep time (docs/gpu-logs/2026-12-01-v20a-prep_variants.json)."""
     return TileParams(stages=3, prep_threads=128 if spec.num_v_heads <= 3 * spec.num_qk_heads else 256)
 
 

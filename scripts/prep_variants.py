@@ -35,25 +35,23 @@ from flashqla_tune.tune.measure import forward_on_inputs  # noqa: E402
 # FQT_SOLVE_TF32_TRUNC (the tensor-core solve's 3xTF32 split by truncation instead of cvt.rna) won
 # together in the nineteenth session (0.79-0.97x the prep's time, the oracle's error unchanged) and
 # are the product now. A new switch goes in beside "product" as name: ("-DNAME=1",).
-# Pending (nineteenth session, written, SASS-inspected and emulated, not yet run): FQT_PREP_TC_HEADS=1
-# (csrc/gdn_prep.cuh) has the 256-thread prep of two to four v-heads per q/k head solve them at once
-# on the tensor cores, each warp pair into an X tile of its own, instead of a column per thread in
-# registers. It changes those plans' bits (another solve), so the oracle judges it.
-VARIANTS: dict[str, tuple[str, ...]] = {"product": (), "tc_heads": ("-DFQT_PREP_TC_HEADS=1",)}
+# FQT_PREP_TC_HEADS (the 256-thread prep of two to four v-heads per q/k head solves them at once on
+# the tensor cores, each warp pair into an X tile of its own) won in the twentieth session (prep
+# 0.83-0.89x on 2/8, 4/16 and 8/32) and is the product now.
+VARIANTS: dict[str, tuple[str, ...]] = {"product": ()}
 # (hqk, hv, prep_threads or None for the default plan's): one, four, two and three v-heads per
-# q/k head on their default plans (128 threads but for four v-heads; fifteenth session), then the
-# four-head plans at 128 threads beside their default 256: the tensor-core solve that 128 threads
-# take got cheaper in the nineteenth session, and 8/32 8192x4 (the prep 40% of the call) and 4/16
-# 1024x8 are rows slower than FlashQLA. The 128- and 256-thread solves differ in bits, so the plan
-# chooses, not the call's shape (batch invariance).
+# q/k head on their default plans (128 threads but for four v-heads; fifteenth session), two and
+# three at 256 threads (the tuner may pick them; they take the at-once solve too), and the other
+# four-head plans. The 128- and 256-thread solves differ in bits, so the plan chooses, not the
+# call's shape (batch invariance).
 PLANS = [(16, 16, None), (2, 8, None), (16, 32, None), (8, 24, None),
-         (2, 8, 128), (4, 16, None), (4, 16, 128), (8, 32, None), (8, 32, 128)]
+         (16, 32, 256), (8, 24, 256), (4, 16, None), (8, 32, None)]
 # (plan index, seqlens, decay, l2norm): tails that are not a multiple of 64, varlen, strong/weak/zero
 CHECKS = [(0, [1000, 37], "mixed", True), (1, [777, 1500, 63], "strong", False), (2, [2100, 300], "zero", False),
           (3, [5000, 129], "weak", True),
           (1, [37] * 100 + [100] * 31, "mixed", True),  # more sequences than shared memory keeps
-          (4, [777, 1500, 63], "strong", False), (6, [3000, 200], "weak", True), (8, [2100, 300], "zero", False),
-          (5, [3000, 200], "mixed", True), (7, [2100, 300], "weak", False)]
+          (4, [777, 1500, 63], "strong", False), (5, [3000, 200], "weak", True), (7, [2100, 300], "zero", False),
+          (6, [3000, 200], "mixed", True), (7, [5000, 129], "weak", True)]
 TIMED = [(i, Case(hqk, hv, seqlens)) for i, (hqk, hv, _) in enumerate(PLANS)
          for seqlens in ((32768,), (8192,) * 4, (1024,) * 8)]
 

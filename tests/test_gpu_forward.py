@@ -62,7 +62,9 @@ def variant_plan(hqk, hv, tiles):
     return KernelPlan(ops._spec(hqk, hv, 128, 128, True, False), tiles)
 
 
-PREP_VARIANT_HEADS = [(16, 16), (2, 8), (4, 8), (16, 48)]
+# One, four, two, three and eight v-heads per q/k head: 256 threads solve up to four at once on the
+# tensor cores and eight (two head batches) a column per thread.
+PREP_VARIANT_HEADS = [(16, 16), (2, 8), (4, 8), (16, 48), (2, 16)]
 # Plans the tuner may pick besides the default (its search space and known-good list).
 TILE_VARIANTS = [TileParams(output_group=1, stages=2), TileParams(block_v=128, stages=2), TileParams(stages=2),
                  TileParams(stages=1, producer_regs=24, ctas_per_sm=2)]
@@ -388,9 +390,10 @@ def test_prep_schedules_agree_bitwise(seqlens, hqk, hv, l2norm):
 
 @pytest.mark.parametrize("hqk, hv", PREP_VARIANT_HEADS)
 def test_prep_thread_counts_meet_the_bar(hqk, hv):
-    """Both prep CTAs against the float64 oracle, every element written: 256 threads solve a
-    column per thread and v-head; 128 threads solve several v-heads one after another on the
-    tensor cores. With one v-head per q/k head both run the tensor-core solve: bitwise equal."""
+    """Both prep CTAs against the float64 oracle, every element written: 256 threads solve up to
+    four v-heads at once on the tensor cores (more, a column per thread and v-head); 128 threads
+    solve them one after another on the tensor cores. With one v-head per q/k head both run the
+    same solve: bitwise equal."""
     inp = make_case(12, [3000, 1, 777, 0, 130], hqk, hv, torch.bfloat16, "mixed", True, False, normalised=False)
     with torch.no_grad():
         results = {threads: run_ours(inp, True, plan=variant_plan(hqk, hv, TileParams(prep_threads=threads)))
