@@ -7,10 +7,10 @@
 //   cp_segments_kernel  (before the prep) one CTA: segment counts per sequence (L from the
 //                       sequence's own length), their prefix sum, and segment -> (sequence, index).
 //                       Only for calls of more than kFusedSegmentSeqs sequences; otherwise each
-//                       cp_jobs_kernel CTA scans the few sequences itself, which costs less than a
-//                       launch (about 5 us of host time on the H200's hosts).
-//   cp_jobs_kernel      the prep's programmatic dependent: it reads only the call's inputs, so it
-//                       runs on the SMs the prep's tail frees and leaves the critical path.
+//                       job row scans the few sequences itself, which costs less than a launch
+//                       (about 3-5 us of host time on the H200's hosts).
+//   plan_cp_jobs        run by the prep's CTAs once their items are done (gdn_prep.cuh): it reads
+//                       only the call's inputs, and a kernel of its own cost a launch.
 //                       Per (segment, v-head): the forward job of the segment and, at each
 //                       boundary, either a warm-up window (n_h chunks from a zero state, kept only
 //                       if the guard holds on this input) or, for exact boundaries, the previous
@@ -42,7 +42,6 @@ namespace fqt {
 
 constexpr int kSegmentBuckets = 32;  // entry b: sequences of at most 2^b chunks (the last: longer ones)
 constexpr int kPlanThreads = 1024;
-constexpr int kGuardThreads = 512;  // a thread per window token: windows of up to 8 chunks in one round
 constexpr int64_t kMaxSegments = 65535 / 3;  // the state pass has 3 grid z-slices per segment
 constexpr int kFusedSegmentSeqs = 64;  // up to this many sequences cp_jobs_kernel plans the segments itself
 
@@ -84,7 +83,7 @@ struct CpPlanArgs {
   int64_t num_segments;           // S
   float log_eps;
   int32_t use_qk_l2norm;
-  int32_t fused_segments;         // 1: no cp_segments_kernel ran; cp_jobs_kernel plans (num_seqs <= kFusedSegmentSeqs)
+  int32_t fused_segments;         // 1: no cp_segments_kernel ran; each job row plans (num_seqs <= kFusedSegmentSeqs)
 };
 
 // Segments sequence i asks for (at least one), at most S.
@@ -132,20 +131,20 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
 // The guard over tokens [t0, t1) of v-head hv: the summed log-decay reaches log(eps) and every
 // token keeps 0 <= b ||k||^2 <= 2 (so each (I - b k k^T) is a contraction). NaN fails both.
 // A thread per token: it reads its k row as K / 8 16-byte pieces, all in flight at once, so a
-// window of up to kGuardThreads tokens costs one round of loads (a warp per token walked the
-// window one dependent load at a time: cp_jobs_kernel took 13-16 us per CP call on the H200, now
-// 7-12 us, docs/kernel-notes.md, thirteenth session).
+// window of up to Threads tokens costs one round of loads (a warp per token walked the window one
+// dependent load at a time: the jobs took 13-16 us per CP call on the H200, then 7-12 us,
+// docs/kernel-notes.md, thirteenth session).
 // The sums run in a fixed order (per thread, then an xor tree, then by warp): deterministic.
-template <class Elem, int Hqk, int Hv, int K>
+template <class Elem, int Hqk, int Hv, int K, int Threads>
 __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int hv) {
   static_assert(sizeof(Elem) == 2 && K % 8 == 0, "a k row is read as 16-byte pieces of eight elements");
-  constexpr int kWarps = kGuardThreads / 32;
+  constexpr int kWarps = Threads / 32;
   __shared__ float warp_sums[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hqk = hv / (Hv / Hqk);
   float decay = 0.f;
   bool ok = true;
-  for (int64_t t = t0 + threadIdx.x; t < t1; t += kGuardThreads) {
+  for (int64_t t = t0 + threadIdx.x; t < t1; t += Threads) {
     const float beta = a.beta[t * Hv + hv], g = a.g[t * Hv + hv];  // issued first: in flight with k
     // 16-byte aligned: k starts on a 16-byte boundary (runtime.tma_ready) and rows are K * 2 bytes
     const uint4* row = reinterpret_cast<const uint4*>(static_cast<const Elem*>(a.k) + (t * Hqk + hqk) * K);
@@ -180,14 +179,15 @@ __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int 
 // count, and its place in the forward pass's unchained order: the sequences that do not split
 // first (in sequence order), then the segments of the others. An unsplit sequence's one job can be
 // longer than a segment (the table splits by length bucket), so it should not wait behind the
-// segments for an SM. CTA (0, 0) also writes every sequence's first segment and count, which the
-// chain reads.
+// segments for an SM. The CTA of row 0 also writes every sequence's first segment and count,
+// which the chain reads.
 struct SegmentOf {
   int32_t seq, index, count, order;
 };
-__device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z) {
-  static_assert(kFusedSegmentSeqs <= kGuardThreads, "a thread per sequence");
-  using Scan = cub::BlockScan<int32_t, kGuardThreads>;
+template <int Threads>
+__device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z, bool writes_sequences) {
+  static_assert(kFusedSegmentSeqs <= Threads, "a thread per sequence");
+  using Scan = cub::BlockScan<int32_t, Threads, cub::BLOCK_SCAN_WARP_SCANS>;  // small scratch: the prep keeps four CTAs per SM
   __shared__ typename Scan::TempStorage scan, scan_whole;
   __shared__ SegmentOf found;
   const int64_t i = threadIdx.x;
@@ -202,7 +202,7 @@ __device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z
     const int32_t index = int32_t(z - first);
     found = SegmentOf{int32_t(i), index, count, n == 1 ? whole_before : wholes + (first - whole_before) + index};
   }
-  if (blockIdx.x == 0 && blockIdx.y == 0 && i < a.num_seqs) {
+  if (writes_sequences && i < a.num_seqs) {
     a.seq_first[i] = first;
     a.seq_count[i] = count;
   }
@@ -210,18 +210,21 @@ __device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z
   return found;
 }
 
-template <class Elem, int Hqk, int Hv, int K, int V>
-__global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanArgs a) {
+// The jobs of job row `row` = z * Hv + hv (segment z, v-head hv), by all Threads threads of the
+// calling CTA; the same for every CTA that calls it, so a CTA may take several rows in turn.
+template <class Elem, int Hqk, int Hv, int K, int V, int Threads>
+__device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
+  static_assert(K == V, "a transition job (S = I) needs K = V");
   constexpr int64_t kState = int64_t(K) * V;
-  const int64_t z = blockIdx.x;
-  const int hv = blockIdx.y;
+  const int64_t z = row / Hv;
+  const int hv = int(row % Hv);
   const int64_t S = a.num_segments;
-  const int64_t row = z * Hv + hv;
   CpJob window{}, h_job{}, m_job{}, fwd{};
   bool exact = false;
   SegmentOf seg{-1, 0, 0, 0};
+  __syncthreads();  // the shared scratch of plan_segment and window_is_safe is free: the CTA's previous row is done
   if (a.fused_segments) {
-    seg = plan_segment(a, z);
+    seg = plan_segment<Threads>(a, z, row == 0);
   } else if ((seg.seq = a.seg_seq[z]) >= 0) {
     seg.index = a.seg_index[z];
     seg.count = a.seq_count[seg.seq];
@@ -248,7 +251,7 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
         warm = true;
       } else if (nh > 0) {
         const int64_t w0 = c0 - nh;
-        warm = window_is_safe<Elem, Hqk, Hv, K>(a, r.start + w0 * kChunk, r.start + c0 * kChunk, hv);
+        warm = window_is_safe<Elem, Hqk, Hv, K, Threads>(a, r.start + w0 * kChunk, r.start + c0 * kChunk, hv);
         if (warm) window = CpJob{r.start + w0 * kChunk, nh * kChunk, r.slot0 + w0, nullptr, start_state, kJobNoOutput, 0};
       }
       if (!warm) {  // the previous segment's H and M; the chain kernel combines them
@@ -272,10 +275,6 @@ __global__ void __launch_bounds__(kGuardThreads, 2) cp_jobs_kernel(const CpPlanA
       const int64_t place = a.fused_segments && seg.seq >= 0 ? seg.order : z;
       if (place >= 0 && place < S) a.fwd_order[place] = int32_t(z);  // malformed offsets: in bounds
     }
-    // This grid runs as the prep's programmatic dependent, beside the prep's tail (it reads only
-    // the call's inputs). One CTA waits for the prep before it exits, so that this grid completes
-    // after the prep: the state pass, launched next on the stream, reads the output of both.
-    if (z == 0 && hv == 0) wait_prerequisite_grids();
   }
 }
 

@@ -69,15 +69,14 @@ struct Workspace {
   }
 };
 
-// `kernel` as the programmatic dependent of the kernel before it on the stream (with
-// programmatic == false, in plain stream order): it may start before that kernel ends, so it must
-// wait for it (griddepcontrol.wait) before reading its output.
+// `kernel` as the programmatic dependent of the kernel before it on the stream: it may start
+// before that kernel ends, so it must wait for it (griddepcontrol.wait) before reading its output.
 template <class Kernel, class Args>
 cudaError_t launch_dependent(Kernel kernel, dim3 grid, dim3 block, size_t smem_bytes, const Args& args,
-                             cudaStream_t stream, bool programmatic = true) {
+                             cudaStream_t stream) {
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = programmatic ? 1 : 0;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -150,9 +149,6 @@ int chain_columns(int64_t num_seqs, int32_t exact_heads, int sm_count) {
 #ifndef FQT_FWD_JOB_ORDER
 #define FQT_FWD_JOB_ORDER 1  // 0: the forward pass's unchained jobs in segment order (measurement only)
 #endif
-#ifndef FQT_JOBS_BESIDE_PREP
-#define FQT_JOBS_BESIDE_PREP 1  // 0: the jobs kernel after the prep, in plain stream order (measurement only)
-#endif
 
 template <class Cfg, int Columns>
 cudaError_t launch_chain(const CpPlanArgs& pa, cudaStream_t stream) {
@@ -162,17 +158,14 @@ cudaError_t launch_chain(const CpPlanArgs& pa, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// After the prep: the jobs (beside the prep's tail), the state pass, the exact chain, the forward
-// pass. The segments kernel, when the call needs it, ran before the prep.
+// After the prep (whose CTAs planned the jobs once their items were done): the state pass, the
+// exact chain, the forward pass. The segments kernel, when the call needs it, ran before the prep.
 template <class Cfg>
 cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const CpPlanArgs& pa, FwdParams<Cfg> fp, int sm_count,
                               cudaStream_t stream) {
   static_assert(Cfg::HeadK == Cfg::HeadV, "a transition job (S = I) needs K = V");
   const int64_t S = pa.num_segments;
-  cudaError_t err = launch_dependent(cp_jobs_kernel<typename Cfg::Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::HeadV>,
-                                     dim3(unsigned(S), Cfg::Hv), dim3(kGuardThreads), 0, pa, stream,
-                                     FQT_JOBS_BESIDE_PREP != 0);
-  if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
   fp.initial_state = nullptr;
   fp.final_state = nullptr;
   fp.ready = nullptr;
@@ -284,6 +277,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       a.scale,
       a.use_qk_l2norm,
       overlap ? kChunkMajor : kSlotMajor,
+      CpPlanArgs{},  // no job rows unless the call is context-parallel (below)
   };
   int64_t prep_ctas;
   if (overlap) {
@@ -301,6 +295,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   CpPlanArgs cpa{};
   if (cp) {
     cpa = cp_plan_args<Cfg>(a, ws, base);
+    pa.cp = cpa;  // the prep's CTAs plan the jobs after their items
     if (!cpa.fused_segments) {  // many sequences: one CTA plans them all first (it reads only inputs)
       cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(cpa);
       if ((err = cudaGetLastError()) != cudaSuccess) return err;

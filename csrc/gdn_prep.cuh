@@ -14,10 +14,11 @@
 // 64 threads solve it by 16 x 16 blocks, the off-diagonal ones on the tensor cores
 // (gdn_prep_solve_mma.cuh). With several v-heads, 128 threads run that solve for each head in
 // turn on threads 0..63 while the others write P; with one or two v-heads all 128 then write the
-// head's Aw. 256 threads solve one column per thread for up to four v-heads at once. Threads is a
-// plan parameter (prep_threads): 128 fits four CTAs per SM and is the default up to three v-heads
-// per q/k head (plan.default_tiles). With ready flags, each finished item is published so the
-// sequential kernel can run beside this one (gdn_fwd_host.cuh).
+// head's Aw. 256 threads solve up to four v-heads at once, a warp pair each on the tensor cores
+// (more, a column per thread). Threads is a plan parameter (prep_threads): 128 fits four CTAs per
+// SM and is the default up to three v-heads per q/k head (plan.default_tiles). With ready flags,
+// each finished item is published so the sequential kernel can run beside this one
+// (gdn_fwd_host.cuh). In a context-parallel call the CTAs then plan the call's jobs (gdn_cp.cuh).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -26,6 +27,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "gdn_cp.cuh"
 #include "gdn_grid_sync.cuh"
 #include "gdn_prep_solve_mma.cuh"
 #include "gdn_sequences.cuh"
@@ -217,6 +219,7 @@ struct PrepArgs {
   float scale;
   int use_qk_l2norm;
   int order;              // PrepOrder
+  CpPlanArgs cp;          // a context-parallel call's plan (num_segments > 0): its job rows after the items
 };
 
 // One work item: a chunk of one sequence for one q/k head (invalid for unused slots or chunks).
@@ -688,6 +691,13 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     if (args.ready != nullptr && tid == 0) publish_ready(args.ready + int64_t(hqk) * args.num_slots + slot);
     item = next;
   }
+
+  // 6. A context-parallel call's job rows (plan_cp_jobs), which read only the call's inputs: this
+  //    saves the launch of a kernel of their own (about 3.3 us of host time per call on the H200's
+  //    hosts). The CTAs take them from the last one back; those had at most as many items.
+  const int64_t cp_rows = args.cp.num_segments * Hv;
+  for (int64_t row = int64_t(gridDim.x) - 1 - blockIdx.x; row < cp_rows; row += gridDim.x)
+    plan_cp_jobs<Elem, Hqk, Hv, HeadK, HeadK, Threads>(args.cp, row);
 }
 
 }  // namespace fqt

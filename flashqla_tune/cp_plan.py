@@ -104,7 +104,7 @@ class Machine:
     ctas_per_sm: int = 1         # resident sequential-kernel CTAs per SM (the plan's ctas_per_sm)
     cta_start: float = 2.0       # chunk-steps a CTA spends before its first chunk (state load, pipeline fill)
     chain_step: float = 4.0      # chunk-steps per boundary of the exact chain (a 128^3 fp32 product, ~6 us)
-    cp_fixed: float = 8.0        # the planning kernels, the chain's first fill, three more launches
+    cp_fixed: float = 8.0        # the planning, the chain's first fill, two more launches
     state_step: float = 0.4      # a state-only chunk-step (H, M, windows: no output GEMMs) per forward one;
                                  # in the flat optimum scripts/fit_cp_model.py finds on the cp3 profile with
                                  # the chain and prep costs at their measured values (regret 1.058; 0.75: 1.112)

@@ -17,6 +17,11 @@
 #   bash scripts/h200_next_session.sh gpu-tests EXPR   the forward GPU tests matching the -k expression EXPR
 #   bash scripts/h200_next_session.sh host-alone  the host step without FLA and FlashQLA, then the
 #                                                 host queue probe (scripts/host_queue_probe.py)
+#   bash scripts/h200_next_session.sh host-ab     (carry .carry too) the library call's host time, this
+#                                                 tree against .carry/base-csrc, in one process
+#                                                 (scripts/host_launch_ab.py), then host-alone
+#   bash scripts/h200_next_session.sh kernel-split ARGS   scripts/kernel_split.py with ARGS (--heads,
+#                                                 --seqlens, --impl), its rows printed as they finish
 #   bash scripts/h200_next_session.sh half 1|2    on one H200: pair-score's first or second half alone
 #                                                 (two calls make the whole scoreboard)
 #   bash scripts/h200_next_session.sh pair-score  on nvidia-h200-x2: the cp-bench scoreboard of all six head
@@ -358,6 +363,15 @@ case "${1:-tests}" in
     host_alone 120
     timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
     tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
+  host-ab)
+    FQT_BASE_CSRC=.carry/base-csrc timeout 200 python3 -P scripts/host_launch_ab.py "$OUT" > "$OUT/host_launch_ab.log" 2>&1
+    tail -n 1 "$OUT/host_launch_ab.log" | cut -c1-900
+    host_alone 120
+    timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
+    tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
+  kernel-split)
+    timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P scripts/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
+    echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;
   half)
     # one half of the scoreboard on GPU 0 (when no x2 is lent), kept as scoreboard-gpu0.tar.gz
     case "${2:-}" in
@@ -493,5 +507,5 @@ case "${1:-tests}" in
     grep -E "passed|failed|error" "$OUT/gpu_tests_cp.log" | tail -n 3
     timeout 330 python3 -P scripts/kernel_split.py "$OUT" > "$OUT/kernel_split.log" 2>&1
     echo "split rc=$?"; tail -n 40 "$OUT/kernel_split.log" | cut -c1-400 ;;
-  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | tests-x1 | gpu-tests | host-alone | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (host-tests-ablation | host-cp-variants | first-x2 | tests-x2 | host-cp-half | half-oracle | pair | pair-prep | pair-cp-half | host-then-half | tests-x1 | gpu-tests | host-alone | host-ab | kernel-split | half | pair-score | pair-final | tests | host | sweep | fix-and-score | scoreboard | ncu | prep-ablation | tune-smoke | cp | eager-default | cp-bench | split | variants)" >&2; exit 2 ;;
 esac

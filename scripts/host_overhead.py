@@ -8,7 +8,7 @@ has run) and "python" (FLASHQLA_TUNE_HOST_PATH=python), with the number of calls
             the single chain's path
   op_cp     the same with the calibrated warm-up table of the protocol's gates
   op_32k, op_cp_32k   1x32768 tokens (with host offsets), where the default window and the
-            calibrated table split (context parallel: four more launches, one stream, no events)
+            calibrated table split (context parallel: three more launches, one stream, no events)
   single_32k   ops.run_checked without a table (one exact chain; Python path only)
   forward   runtime.forward (buffers, the launch struct, the library call; the Python path's core)
   launch    the library call alone with a prepared struct (TMA descriptors, two launches)

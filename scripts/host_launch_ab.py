@@ -1,0 +1,102 @@
+"""Host time of the library call alone (fqt_gdn_fwd: the launches and their argument set-up, no
+Python op) for a calibrated CP call at 32k tokens, this tree's build beside an older csrc/ folder
+(FQT_BASE_CSRC), in one process and alternating, so that host noise falls on both alike. The
+arguments are the ones the op itself built for the call (captured from its launch).
+
+    FQT_BASE_CSRC=.carry/base-csrc python -P scripts/host_launch_ab.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from flashqla_tune import ops, runtime
+from flashqla_tune.bench.cases import Case
+from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
+from flashqla_tune.bench.variants import build_variants, running
+from flashqla_tune.build import BuildConfig
+from flashqla_tune.spec import GDNSpec
+
+ROUNDS, ISOLATED, BACK_TO_BACK = 10, 30, 20
+
+
+def captured_launch(entry, plan, x, table):
+    """(lib, args, stream, workspace): the op's own launch of this call on entry's library, with a
+    workspace of our own that stays alive while it is replayed."""
+    seen = {}
+    with running(entry, plan) as lib:
+        own = lib.launch
+        lib.launch = lambda args, stream: seen.update(args=args, stream=stream) or own(args, stream)
+        try:
+            ops.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=x.initial_state,
+                                       output_final_state=True, cu_seqlens=x.cu_seqlens_long,
+                                       cu_seqlens_cpu=x.cu_seqlens_cpu, warmup=table)
+        finally:
+            del lib.launch
+    args = seen["args"]
+    T, N = args.total_tokens, args.num_seqs
+    workspace = torch.empty(lib.workspace_bytes(T, N, args.max_segments), dtype=torch.uint8, device="cuda")
+    args.workspace = workspace.data_ptr()
+    return lib, args, seen["stream"], workspace
+
+
+def isolated_us(lib, args, stream) -> list[float]:
+    times = []
+    for _ in range(ISOLATED):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        lib.launch(args, stream)
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return times
+
+
+def back_to_back_us(lib, args, stream) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(BACK_TO_BACK):
+        lib.launch(args, stream)
+    mean = (time.perf_counter_ns() - t0) / BACK_TO_BACK / 1e3
+    torch.cuda.synchronize()
+    return mean
+
+
+def main(out_dir: str) -> int:
+    base = os.environ.get("FQT_BASE_CSRC")
+    if not base:
+        print("FQT_BASE_CSRC (an older csrc/ folder) is not set", file=sys.stderr)
+        return 2
+    plan = runtime.default_plan_for(GDNSpec(2, 8))
+    entries = build_variants([plan], {"this": ("-DNDEBUG",), "base": BuildConfig(csrc=base, extra_flags=("-DNDEBUG",))})
+    x = make_rotation(Case(2, 8, (32768,)), 1, "cuda")[0]
+    table = protocol_warmup_table(8)
+    calls = {name: captured_launch(e[0], plan, x, table) for name, e in entries.items()}
+    samples = {name: {"isolated": [], "b2b": []} for name in calls}
+    with torch.no_grad():
+        for lib, args, stream, _ in calls.values():
+            for _ in range(20):
+                lib.launch(args, stream)
+        for _ in range(ROUNDS):
+            for name, (lib, args, stream, _) in calls.items():
+                samples[name]["isolated"] += isolated_us(lib, args, stream)
+                samples[name]["b2b"].append(back_to_back_us(lib, args, stream))
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "call": "2/8 1x32768, calibrated table",
+              "base_csrc": base, "max_segments": {n: c[1].max_segments for n, c in calls.items()}, "us": {}}
+    for name, s in samples.items():
+        iso = sorted(s["isolated"])
+        result["us"][name] = {"isolated_median": round(statistics.median(iso), 2),
+                              "isolated_p10": round(iso[len(iso) // 10], 2),
+                              "isolated_p90": round(iso[9 * len(iso) // 10], 2),
+                              "b2b_mean_median": round(statistics.median(s["b2b"]), 2)}
+    print(json.dumps(result))
+    with open(f"{out_dir}/host_launch_ab.json", "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
