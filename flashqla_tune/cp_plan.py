@@ -20,7 +20,7 @@ Batch invariance (DESIGN.md) forbids looking at the rest of the batch, yet a spl
 idle GPU for a lone sequence multiplies the work (3x for exact heads) when other sequences
 already fill it. The choice therefore minimises the lone makespan times work_inflation **
 `batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/kernel-notes.md,
-CP v2). For each sequence-length bucket (a power of two in chunks) the plan keeps the L that
+CP v2; refitted in the twentieth session). For each sequence-length bucket (a power of two in chunks) the plan keeps the L that
 minimises it if it beats no segmentation by `min_gain`, else 0 (no CP). L is always longer than
 the longest window it warms up over (DESIGN.md, "Calibration contract"). The tuner refines the
 table on the GPU; this is the documented default.
@@ -109,7 +109,11 @@ class Machine:
                                  # in the flat optimum scripts/fit_cp_model.py finds on the cp3 profile with
                                  # the chain and prep costs at their measured values (regret 1.058; 0.75: 1.112)
     prep_item: float = 7.5       # chunk-steps one SM spends on a (chunk, q/k head) prep item
-    batch_weight: float = 0.35   # exponent of the work inflation in the objective (see the module doc)
+    batch_weight: float = 0.40   # exponent of the work inflation in the objective (see the module doc); 0.35
+                                 # until the twentieth session, when 8/32's split of 16384-token sequences
+                                 # (modelled lone gain 1.21, inflation 1.28) measured 1.24x faster alone and
+                                 # 1.29x slower two at a time (docs/gpu-logs/2026-12-01-v20e-kernel_split.json):
+                                 # 0.40 drops that split and, on the scoreboard's head configurations, no other
     wave_tail: float = 25.0      # chunk-steps each wave of a CP pass beyond the first adds: the passes are
                                  # separate launches, so more CTAs than slots end in a tail that work / slots
                                  # misses (v11 scoreboard: 8/24 and 8/32 1x8192 split into 192 and 256 CTAs ran
