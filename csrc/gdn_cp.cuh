@@ -43,7 +43,7 @@ namespace fqt {
 constexpr int kSegmentBuckets = 32;  // entry b: sequences of at most 2^b chunks (the last: longer ones)
 constexpr int kPlanThreads = 1024;
 constexpr int64_t kMaxSegments = 65535 / 3;  // the state pass has 3 grid z-slices per segment
-constexpr int kFusedSegmentSeqs = 64;  // up to this many sequences cp_jobs_kernel plans the segments itself
+constexpr int kFusedSegmentSeqs = 64;  // up to this many sequences each job row plans the segments itself
 
 // Segment length in chunks for a sequence of `chunks` chunks; a result of 0 or >= chunks means one
 // segment.
@@ -187,7 +187,8 @@ struct SegmentOf {
 template <int Threads>
 __device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z, bool writes_sequences) {
   static_assert(kFusedSegmentSeqs <= Threads, "a thread per sequence");
-  using Scan = cub::BlockScan<int32_t, Threads, cub::BLOCK_SCAN_WARP_SCANS>;  // small scratch: the prep keeps four CTAs per SM
+  // Warp scans: little shared memory, so the 128-thread prep keeps four CTAs per SM
+  using Scan = cub::BlockScan<int32_t, Threads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage scan, scan_whole;
   __shared__ SegmentOf found;
   const int64_t i = threadIdx.x;
@@ -222,7 +223,7 @@ __device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
   CpJob window{}, h_job{}, m_job{}, fwd{};
   bool exact = false;
   SegmentOf seg{-1, 0, 0, 0};
-  __syncthreads();  // the shared scratch of plan_segment and window_is_safe is free: the CTA's previous row is done
+  __syncthreads();  // the CTA's previous row is done with plan_segment's and window_is_safe's scratch
   if (a.fused_segments) {
     seg = plan_segment<Threads>(a, z, row == 0);
   } else if ((seg.seq = a.seg_seq[z]) >= 0) {

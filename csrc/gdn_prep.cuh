@@ -540,9 +540,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
       //    With 256 threads and more than four v-heads per q/k head (several head batches, whose
       //    K K^T and Q K^T tiles the solve at once below would overwrite), one column per thread
       //    (head h = tid / 64, column c = tid % 64), by forward substitution in registers:
-      //    x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1. Columns are independent, so no barrier; the warp reads the same
-      //    K K^T row (a broadcast). Then Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing
-      //    32 adjacent columns of a row.
+      //    x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1. Columns are independent, so
+      //    no barrier; the warp reads the same K K^T row (a broadcast). Then
+      //    Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
       constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
       // With one or two v-heads per q/k head, all 128 threads write Aw once a head's solve is done
       // (two per column, 32 rows each) instead of the 64 solving ones while the other 64, done with

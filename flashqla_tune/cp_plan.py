@@ -20,8 +20,9 @@ Batch invariance (DESIGN.md) forbids looking at the rest of the batch, yet a spl
 idle GPU for a lone sequence multiplies the work (3x for exact heads) when other sequences
 already fill it. The choice therefore minimises the lone makespan times work_inflation **
 `batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/kernel-notes.md,
-CP v2; refitted in the twentieth session). For each sequence-length bucket (a power of two in chunks) the plan keeps the L that
-minimises it if it beats no segmentation by `min_gain`, else 0 (no CP). L is always longer than
+CP v2; refitted in the twentieth session). For each sequence-length bucket (a power of two in
+chunks) the plan keeps the L that minimises it if it beats no segmentation by `min_gain`, else 0
+(no CP). L is always longer than
 the longest window it warms up over (DESIGN.md, "Calibration contract"). The tuner refines the
 table on the GPU; this is the documented default.
 """

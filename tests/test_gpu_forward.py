@@ -566,8 +566,8 @@ def test_context_parallel_batch_invariance_is_bitwise():
 
 
 def test_context_parallel_replays_in_a_cuda_graph():
-    """The CP launches (prep with the job plan, state pass, chain, forward) captured after one eager call and replayed
-    on new inputs give the eager result bitwise."""
+    """The CP launches (the prep with the job plan, state pass, chain, forward) captured after one
+    eager call and replayed on new inputs give the eager result bitwise."""
     inp = make_case(23, [8192, 2000], 2, 8, torch.bfloat16, "mixed", True, False)
     assert model_segments_of(inp, MIXED_2_8) > 1
     names = ("q", "k", "v", "g", "beta")
