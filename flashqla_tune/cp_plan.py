@@ -22,9 +22,8 @@ already fill it. The choice therefore minimises the lone makespan times work_inf
 `batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/kernel-notes.md,
 CP v2; refitted in the twentieth session). For each sequence-length bucket (a power of two in
 chunks) the plan keeps the L that minimises it if it beats no segmentation by `min_gain`, else 0
-(no CP). L is always longer than
-the longest window it warms up over (DESIGN.md, "Calibration contract"). The tuner refines the
-table on the GPU; this is the documented default.
+(no CP). L is always longer than the longest window it warms up over (DESIGN.md, "Calibration
+contract"). The tuner refines the table on the GPU; this is the documented default.
 """
 from __future__ import annotations
 

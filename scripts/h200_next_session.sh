@@ -161,6 +161,12 @@ host_alone() {
   CUDA_VISIBLE_DEVICES=0 timeout "$1" python3 scripts/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
   tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
 }
+# The same, then scripts/host_queue_probe.py (calls one at a time after a synchronize); its lines printed.
+host_alone_and_probe() {
+  host_alone 120
+  timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
+  tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600
+}
 collect_forward_groups() {
   cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
@@ -360,15 +366,11 @@ case "${1:-tests}" in
     echo "gpu-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 2
     grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true ;;
   host-alone)
-    host_alone 120
-    timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
-    tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
+    host_alone_and_probe ;;
   host-ab)
     FQT_BASE_CSRC=.carry/base-csrc timeout 200 python3 -P scripts/host_launch_ab.py "$OUT" > "$OUT/host_launch_ab.log" 2>&1
     tail -n 1 "$OUT/host_launch_ab.log" | cut -c1-900
-    host_alone 120
-    timeout 90 python3 scripts/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
-    tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600 ;;
+    host_alone_and_probe ;;
   kernel-split)
     timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P scripts/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
     echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;

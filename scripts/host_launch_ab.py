@@ -3,7 +3,7 @@ Python op) for a calibrated CP call at 32k tokens, this tree's build beside an o
 (FQT_BASE_CSRC), in one process and alternating, so that host noise falls on both alike. The
 arguments are the ones the op itself built for the call (captured from its launch).
 
-    FQT_BASE_CSRC=.carry/base-csrc python -P scripts/host_launch_ab.py OUT_DIR
+    FQT_BASE_CSRC=.carry/base-csrc python -P scripts/host_launch_ab.py OUT_DIR    (repository root)
 """
 from __future__ import annotations
 
@@ -15,12 +15,15 @@ import time
 
 import torch
 
-from flashqla_tune import ops, runtime
-from flashqla_tune.bench.cases import Case
-from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
-from flashqla_tune.bench.variants import build_variants, running
-from flashqla_tune.build import BuildConfig
-from flashqla_tune.spec import GDNSpec
+sys.path.insert(0, "scripts")
+from host_queue_probe import op_call  # noqa: E402  the op's call on one of the protocol's inputs
+
+from flashqla_tune import runtime  # noqa: E402
+from flashqla_tune.bench.cases import Case  # noqa: E402
+from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table  # noqa: E402
+from flashqla_tune.bench.variants import build_variants, running  # noqa: E402
+from flashqla_tune.build import BuildConfig  # noqa: E402
+from flashqla_tune.spec import GDNSpec  # noqa: E402
 
 ROUNDS, ISOLATED, BACK_TO_BACK = 10, 30, 20
 
@@ -33,9 +36,7 @@ def captured_launch(entry, plan, x, table):
         own = lib.launch
         lib.launch = lambda args, stream: seen.update(args=args, stream=stream) or own(args, stream)
         try:
-            ops.chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=x.initial_state,
-                                       output_final_state=True, cu_seqlens=x.cu_seqlens_long,
-                                       cu_seqlens_cpu=x.cu_seqlens_cpu, warmup=table)
+            op_call(x, warmup=table)()
         finally:
             del lib.launch
     args = seen["args"]
