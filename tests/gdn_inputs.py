@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashqla_tune.bench.accuracy import rel_l2  # re-exported: one relative L2 for every test
+from flashqla_tune.measure.accuracy import rel_l2  # re-exported: one relative L2 for every test
 
 __all__ = ["gate_values", "make_inputs", "off_16_byte_boundary", "rel_l2"]
 

@@ -1,6 +1,6 @@
 """CPU tests of the scoreboard: protocol inputs and cases, the plain-PyTorch baseline against the
 float64 oracle, the report writer on synthetic numbers, the CLI's help. Timing itself needs the
-H200 and is exercised there (scripts/h200_scoreboard.sh)."""
+H200 and is exercised there (benchmarks/h200_scoreboard.sh)."""
 from __future__ import annotations
 
 import json
@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 
-from flashqla_tune.bench import cases as C
-from flashqla_tune.bench import floor, report, runner
-from flashqla_tune.bench.impls import load_impls
-from flashqla_tune.bench.inputs import make_inputs, make_rotation, zero_gate_heads
-from flashqla_tune.bench.timing import Timing, rotation_count
-from flashqla_tune.bench.torch_chunked import chunk_gated_delta_rule_torch
+from flashqla_tune.bench import report, runner
+from flashqla_tune.measure import cases as C
+from flashqla_tune.measure import floor
+from flashqla_tune.measure.impls import load_impls
+from flashqla_tune.measure.inputs import make_inputs, make_rotation, zero_gate_heads
+from flashqla_tune.measure.timing import Timing, rotation_count
+from flashqla_tune.measure.torch_chunked import chunk_gated_delta_rule_torch
 from flashqla_tune.cli import main as cli_main
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked, recurrent_gated_delta_rule
 
@@ -191,7 +192,7 @@ def test_cli_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--impl", "--heads", "--seqlens", "--quick", "--out", "--no-graph", "--no-eager"):
         assert flag in out
-    from flashqla_tune.bench.impls import LOADERS
+    from flashqla_tune.measure.impls import LOADERS
     for name in LOADERS:  # the help names every implementation
         assert name in " ".join(out.split())
 
@@ -226,7 +227,7 @@ def test_impl_failing_everywhere_gets_no_columns(tmp_path):
 def test_calibrated_warmup_column_uses_the_protocols_calibration():
     """The headline column's table comes from calibrating the protocol's gates: the zero-gate heads
     chain exactly, the others warm up over a few chunks."""
-    from flashqla_tune.bench.inputs import protocol_warmup_table, zero_gate_heads
+    from flashqla_tune.measure.inputs import protocol_warmup_table, zero_gate_heads
 
     for hv in (8, 64):
         table = protocol_warmup_table(hv)
@@ -279,7 +280,7 @@ def test_summary_reads_the_targets_off_the_table():
 
 
 def test_build_variants_builds_each_variant_with_its_own_flags(monkeypatch):
-    from flashqla_tune.bench import variants
+    from flashqla_tune.measure import variants
     from flashqla_tune.plan import default_plan
     from flashqla_tune.spec import GDNSpec
 
@@ -297,9 +298,9 @@ def test_build_variants_builds_each_variant_with_its_own_flags(monkeypatch):
 
 
 def test_build_variants_takes_a_whole_build_config_for_an_older_tree(monkeypatch, tmp_path):
-    """scripts/cp_variants.py's FQT_BASE_CSRC: a variant given as a BuildConfig (another csrc/)
-    builds with that config as is, beside variants given as flags."""
-    from flashqla_tune.bench import variants
+    """benchmarks/host_launch_ab.py's FQT_BASE_CSRC: a variant given as a BuildConfig (another
+    csrc/) builds with that config as is, beside variants given as flags."""
+    from flashqla_tune.measure import variants
     from flashqla_tune.build import BuildConfig
     from flashqla_tune.plan import default_plan
     from flashqla_tune.spec import GDNSpec
@@ -318,48 +319,37 @@ def test_build_variants_takes_a_whole_build_config_for_an_older_tree(monkeypatch
     assert entries["product"] != entries["base"]
 
 
-def test_running_a_variant_restores_the_runtime_lookup_even_on_error(monkeypatch):
-    from types import SimpleNamespace
-
+def test_capture_launch_records_the_ops_launch_on_the_given_library(monkeypatch):
+    """measure.variants.capture_launch: the library it is given becomes the plan's library through
+    runtime.register_library, so the op's own launch reaches it and is recorded; a plan that has a
+    library already is refused, and a call that launches nothing is an error."""
     from flashqla_tune import runtime
-    from flashqla_tune.bench import variants
+    from flashqla_tune.measure import variants
     from flashqla_tune.plan import default_plan
     from flashqla_tune.spec import GDNSpec
 
-    opened = []
-    monkeypatch.setattr(variants, "open_library",  # test double: no .so is loaded
-                        lambda path, plan: opened.append((path, plan)) or f"library at {path}")
-    plan = default_plan(GDNSpec(2, 8))
-    own = runtime.library
-    from flashqla_tune import host_path
+    monkeypatch.setattr(runtime, "_libraries", {})  # a fresh process's registry: no plan loaded
+    monkeypatch.setattr(runtime, "_registered", {})
 
-    monkeypatch.delenv(host_path.ENV_SWITCH, raising=False)
-    with variants.running(SimpleNamespace(so_path="/variant.so"), plan) as lib:
-        assert runtime.library(plan) == lib == "library at /variant.so"
-        assert not host_path.enabled()  # op calls inside go through the runtime, to the variant
-    assert runtime.library is own and opened == [("/variant.so", plan)] and host_path.enabled()
-    with pytest.raises(RuntimeError, match="inside"):
-        with variants.running(SimpleNamespace(so_path="/variant.so"), plan):
-            raise RuntimeError("inside")
-    assert runtime.library is own and host_path.enabled()
+    class LibraryDouble:  # test double: launches nothing, counts the launches that reach it
+        def __init__(self):
+            self.launched = []
 
+        def launch(self, args, stream):
+            self.launched.append((args, stream))
 
-def test_variant_check_fields_report_error_unwritten_elements_and_bit_equality():
-    """bench.variants.check_fields, what the variant scripts record per check: errors against the
-    reference, NaN left in either output, and bit equality with the first variant's run."""
-    from flashqla_tune.bench.variants import check_fields
-    ref_o, ref_s = torch.randn(4, 8, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
-    o, s = ref_o.float(), ref_s.float()
-    same = check_fields(o, s, ref_o, ref_s, (o.clone(), s.clone()))
-    assert same["o"] < 1e-6 and same["state"] < 1e-6 and not same["nan"] and same["bitwise_as_first"]
-    nudged = s.clone()
-    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(math.inf))
-    moved = check_fields(o, nudged, ref_o, ref_s, (o, s))
-    assert not moved["bitwise_as_first"] and not moved["nan"] and moved["state"] > 0
-    unwritten = s.clone()
-    unwritten[1, 2] = float("nan")
-    assert check_fields(o, unwritten, ref_o, ref_s, (o, s))["nan"]  # NaN in the state alone counts
-    assert check_fields(o * 2, s, ref_o, ref_s, (o, s))["o"] == pytest.approx(1.0)
+        def workspace_bytes(self, T, N, segments):
+            return 64 * T + N + segments
+
+    plan, lib = default_plan(GDNSpec(2, 8)), LibraryDouble()
+    args, stream = variants.capture_launch(plan, lib, lambda: runtime.library(plan).launch("the args", 7))
+    assert (args, stream) == ("the args", 7) and lib.launched == [("the args", 7)]
+    assert runtime.library(plan).workspace_bytes(2, 1, 0) == 129  # everything else is the wrapped library's
+    with pytest.raises(RuntimeError, match="already has a library"):
+        variants.capture_launch(plan, LibraryDouble(), lambda: None)
+    other = default_plan(GDNSpec(16, 16))
+    with pytest.raises(RuntimeError, match="launched nothing"):
+        variants.capture_launch(other, LibraryDouble(), lambda: None)
 
 
 def _scoreboard_for_join(rows, torch_version="2.11", gpu="NVIDIA H200"):
@@ -401,3 +391,23 @@ def test_join_makes_one_summary_of_two_halves_and_refuses_what_does_not_belong(t
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="bad.json: not a readable scoreboard JSON"):
         bench_main(["--join", str(tmp_path / "bad.json"), "--join", str(tmp_path / "a.json"), "--out", str(tmp_path)])
+
+
+def test_the_tuner_and_the_measurement_library_never_import_the_scoreboard():
+    """flashqla_tune.measure is what the tuner and the scoreboard share: it imports neither of them,
+    and the tuner reaches the protocol's cases, inputs and timers through it, never through
+    flashqla_tune.bench (checked in a fresh interpreter, whose sys.modules starts empty)."""
+    import subprocess
+    import sys
+
+    check = (
+        "import sys, pkgutil, importlib, flashqla_tune.measure as m\n"
+        "for info in pkgutil.iter_modules(m.__path__): importlib.import_module(f'flashqla_tune.measure.{info.name}')\n"
+        "assert not [n for n in sys.modules if n.startswith(('flashqla_tune.bench', 'flashqla_tune.tune'))], sys.modules\n"
+        "import flashqla_tune.tune, flashqla_tune.tune.measure, flashqla_tune.tune.segments, flashqla_tune.tune.driver\n"
+        "bench = [n for n in sys.modules if n.startswith('flashqla_tune.bench')]\n"
+        "assert not bench, bench\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

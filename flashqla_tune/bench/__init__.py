@@ -1,2 +1,4 @@
-"""The scoreboard (DESIGN.md, "Benchmark protocol"): protocol inputs and cases, timing by CUDA-graph
-replay and eager calls, the measured floor, accuracy beside speed, and the report writer."""
+"""The scoreboard (`flashqla-tune bench`, DESIGN.md, "Benchmark protocol"): the runner that times
+every implementation on every case, the JIT prewarm, and the report writer. What it measures with
+(cases, inputs, timers, accuracy, implementations, floor) is flashqla_tune.measure, shared with the
+tuner."""

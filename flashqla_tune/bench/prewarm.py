@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from .cases import format_seqlens, select_cases
-from .impls import call, load_impls
-from .inputs import make_inputs
+from ..measure.cases import format_seqlens, select_cases
+from ..measure.impls import call, load_impls
+from ..measure.inputs import make_inputs
 
 
 def prewarm_parallel(head_configs, seqlens, impl_names, timeout_s: float, log=print) -> str:

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from .cases import HEAD_LABELS
+from ..measure.cases import HEAD_LABELS
 
 ANCHORS = ("fla", "flashqla")
 MODES = (("graph", "CUDA-graph replay (kernel time)"), ("eager", "eager (host overhead included)"))

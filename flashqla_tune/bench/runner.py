@@ -8,11 +8,12 @@ import time
 
 import torch
 
-from . import accuracy, environment, floor, report
-from .cases import Case
-from .impls import Impl, call
-from .inputs import make_rotation
-from .timing import rotation_count
+from ..measure import accuracy, environment, floor
+from ..measure.cases import Case
+from ..measure.impls import Impl, call
+from ..measure.inputs import make_rotation
+from ..measure.timing import rotation_count
+from . import report
 
 PROTOCOL = ("q, k L2-normalised bf16; v bf16; g = logsigmoid(randn)/16 fp32, 25% of v-heads (fixed seed) "
             "g = 0; beta = sigmoid(randn) fp32; h0 fp32; K = V = 128; varlen B = 1; output_final_state on; "

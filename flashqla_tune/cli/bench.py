@@ -43,10 +43,11 @@ def run(args) -> int:
 
     import torch
 
-    from ..bench import floor, report, runner
-    from ..bench.cases import select_cases
-    from ..bench.impls import load_impls
-    from ..bench.timing import CudaTimer
+    from ..bench import report, runner
+    from ..measure import floor
+    from ..measure.cases import select_cases
+    from ..measure.impls import load_impls
+    from ..measure.timing import CudaTimer
 
     modes = tuple(m for m, on in (("graph", args.graph), ("eager", args.eager)) if on)
     if not modes:

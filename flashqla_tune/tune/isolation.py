@@ -2,8 +2,7 @@
 
 A kernel that faults (an illegal instruction, an illegal address) leaves a sticky error on its
 CUDA context: every later launch in that process fails, so in-process tuning prunes every trial
-after the culprit (the H200 build of 2026-11-30 lost 13 trials of one study and all of the next
-to one config, docs/gpu-logs/2026-11-30-v7-pack-build-illegal-instruction.log). A kernel that
+after the culprit, so one faulting config would cost every trial that follows it. A kernel that
 deadlocks never returns at all. Here the checker, timer and anchor timer live in a spawned
 process: after a failure the child probes its context and, when the context is gone, exits, and
 the next call starts a fresh child; a call that does not answer in time is stopped the same way.

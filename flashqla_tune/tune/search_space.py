@@ -20,7 +20,7 @@ SPACE: dict[str, tuple[int, ...]] = {
     "output_group": (0, 1),
     "prep_threads": (128, 256),
 }
-# Hand-picked variants that built and passed the oracle on the H200 (scripts/tile_sweep.py);
+# Hand-picked variants that built and passed the oracle on the H200 (benchmarks/tile_sweep.py);
 # known_good puts the spec's default first so every study has its baseline.
 _KNOWN_GOOD = (
     TileParams(stages=3),

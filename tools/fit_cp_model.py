@@ -1,7 +1,7 @@
-"""Fit the CP cost model (flashqla_tune/cp_plan.py Machine) to the H200's measurements.
+"""Fit the CP cost model (flashqla_tune/cp_cost_model.py Machine) to the H200's measurements.
 
 Two kinds of data:
-- scripts/cp_profile.py rows: graph time per forced segment length, exact chaining and the
+- tools/cp_profile.py rows: graph time per forced segment length, exact chaining and the
   calibrated warm-up, beside no CP;
 - scoreboard rows (`--scoreboard JSON`) with the op's default column (the default window, planned
   by OPDEFAULT_RUN_MACHINE) beside the single chain: two measured choices per row.
@@ -11,7 +11,10 @@ Machine's regrets, then grid-searches the costs that minimise the geometric-mean
 choice that was not measured counts as MISSING_REGRET, so the fit cannot hide in unmeasured
 lengths.
 
-    python scripts/fit_cp_model.py PROFILE.json [...] [--scoreboard SCOREBOARD.json ...] [--single V5.json ...]
+    python tools/fit_cp_model.py PROFILE.json [...] [--scoreboard SCOREBOARD.json ...] [--single SINGLE.json ...]
+
+It prints the regrets and the fitted costs (standard output); a refit goes into cp_cost_model.py's
+Machine by hand, with its evidence in docs/results/.
 
 `--single` names earlier scoreboards whose flashqla_tune column was the single chain, for runs
 that did not time it beside the op.
@@ -24,19 +27,21 @@ import math
 import sys
 from dataclasses import replace
 
-from flashqla_tune.cp_plan import Machine, WarmupProfile, bucket_of_chunks, segment_table
+from flashqla_tune.cp_cost_model import Machine, WarmupProfile, segment_table
+from flashqla_tune.segment_policy import bucket_of_chunks
 
 MISSING_REGRET = 1.5
-# In the 2026-11-30 runs, a batch whose longest possible sequence (ceil(T/64) chunks, the host's
-# bound) fell in a split bucket ran the CP kernels even when none of its sequences split. Measured
-# in the cp3 profile: 2/8 1024x8 warm@model 0.097 ms vs none 0.082. The op now skips them when it
-# knows the longest sequence (cu_seqlens_cpu), so this penalty describes those runs, not the op.
+# Scoreboards taken before the op knew the longest sequence of a call: there a batch whose longest
+# possible sequence (ceil(T/64) chunks, the host's bound) fell in a split bucket ran the CP kernels
+# even when none of its sequences split, at this cost. The op now skips them when it knows the
+# longest sequence (cu_seqlens_cpu), so the penalty describes those inputs, not the op.
 UNSPLIT_CP_OVERHEAD_MS = 0.015
 V_TILES = 2  # the default plans' block_v = 64 for V = 128
-# The costs cp_plan.py had when the op-default scoreboards of 2026-11-30 ran (their tables).
+# The costs cp_cost_model.py had when the op-default scoreboards this script reads were taken (the
+# tables those runs used).
 OPDEFAULT_RUN_MACHINE = Machine(cta_start=2.0, chain_step=4.0, cp_fixed=8.0, state_step=0.4, prep_item=7.5,
                                 batch_weight=0.35, min_segment=32, wave_tail=0.0)
-DEFAULT_PROFILE = WarmupProfile(exact_share=0.25, mean_window=8.0, max_window=8)  # flashqla_tune/warmup.py
+DEFAULT_PROFILE = WarmupProfile(exact_share=0.25, mean_window=8.0, max_window=8)  # flashqla_tune/warmup_tables.py
 
 
 def _row_inputs(row: dict) -> tuple[int, int, list[int]]:

@@ -1,5 +1,6 @@
-"""The scoreboard's rows: every head configuration crossed with every sequence-length mix
-(DESIGN.md, "Benchmark protocol"), with filters for a quick subset."""
+"""The protocol's rows: every head configuration crossed with every sequence-length mix
+(DESIGN.md, "Benchmark protocol"), with filters for a quick subset. The scoreboard runs them; the
+tuner times its candidates on the same length mixes."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,11 +1,12 @@
-# Sourced by the H200 scripts (the device image has torch, Triton, nvcc, ninja, jinja2 only).
+# Sourced by the H200 scripts in benchmarks/ and tools/, from the repository root (the device
+# image has torch, Triton, nvcc, ninja, jinja2 only).
 #   device_setup WHEEL_DIR...  installs the carried wheels and this checkout into /tmp/site
 #       (offline; --upgrade, so a machine still warm from an earlier call runs the edited code; a
 #       regular install, so the run exercises the installed package data), unpacks whichever of
 #       the carried archives is present (.anchors: FLA + FlashQLA; .fla: FLA alone) and sets the
 #       environment: never the source tree from the cwd, one kernel cache per machine.
 #   device_report OUT          writes date, GPU, driver, nvcc, torch and Triton to OUT/env.txt.
-# scripts/make_device_bundles.sh rebuilds the carried folders.
+# tools/make_device_bundles.sh rebuilds the carried folders.
 device_setup() {
   local dir wheels=() archive dest
   for dir in "$@"; do wheels+=("$dir"/*.whl); done

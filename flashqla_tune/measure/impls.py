@@ -1,4 +1,5 @@
-"""Implementations the scoreboard can time, each wrapped to the op's signature:
+"""Implementations the scoreboard (and the tuner, for its FLA and FlashQLA anchors) can time, each
+wrapped to the op's signature:
 fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
    use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None)
 -> (o, final_state). Loaders import lazily; an implementation whose package is missing is

@@ -2,13 +2,13 @@
 (every bucket of the segment table = L) for exact chaining (warmup all -1) and the protocol's
 calibrated warm-up, beside no CP and the cost model's own table; plus the per-kernel split of
 the cost model's choice (torch.profiler, serialised). The data the CP cost model is fitted to
-(flashqla_tune/cp_plan.py, docs/kernel-notes.md).
+(flashqla_tune/cp_cost_model.py's Machine, refitted by tools/fit_cp_model.py). Writes
+OUT_DIR/cp_profile.json and prints each row as it finishes.
 
-    python -P scripts/cp_profile.py OUT_DIR [--heads 8/32 ... --seqlens 1x16384 ...]
+    python -P tools/cp_profile.py OUT_DIR [--heads 8/32 ... --seqlens 1x16384 ...]    (repository root)
 
 With --heads and --seqlens, every (heads, seqlens) pair replaces the default rows (e.g. the lone
-12288- and 16384-token rows that decide whether 8/24 and 8/32 split bucket 256; kernel notes,
-twelfth session).
+12288- and 16384-token rows that decide whether 8/24 and 8/32 split bucket 256).
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flashqla_tune import runtime, warmup as warmup_tables
-from flashqla_tune.bench.cases import Case, parse_seqlens
-from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
-from flashqla_tune.bench.timing import CudaTimer, kernel_ms_per_call
-from flashqla_tune.cp_plan import SEGMENT_BUCKETS
+from flashqla_tune import runtime, warmup_tables
+from flashqla_tune.measure.cases import Case, parse_seqlens
+from flashqla_tune.measure.inputs import make_rotation, protocol_warmup_table
+from flashqla_tune.measure.timing import CudaTimer, kernel_ms_per_call
+from flashqla_tune.segment_policy import SEGMENT_BUCKETS
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 

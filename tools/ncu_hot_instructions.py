@@ -1,9 +1,9 @@
 """Where a kernel's warps wait, per SASS instruction: reads `ncu --import REP --page source --csv
 --print-source sass` (the SourceCounters section's warp-state samples) and prints, per profiled
 launch, the instructions with the most samples and the samples summed per opcode (LDS, FFMA,
-BAR, SYNCS, STG, MUFU, HGMMA, ...). scripts/h200_next_session.sh ncu runs it on the prep kernel.
+BAR, SYNCS, STG, MUFU, HGMMA, ...) to standard output. tools/h200_ncu.sh runs it on the prep kernel.
 
-    python3 scripts/ncu_hot_instructions.py SOURCE.csv [TOP]
+    python3 tools/ncu_hot_instructions.py SOURCE.csv [TOP]
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Where an eager call's host time goes (issue 5's target: under 30 us per call). On the GPU, for
+"""Where an eager call's host time goes (the target: under 30 us per call). On the GPU, for
 2/8 heads, the mean host time per call of each layer of the call stack, timed over back-to-back
 calls (the GPU runs behind; nothing synchronises inside the loop). The op-level rows are timed on
 both host paths: "cpp" (the C++ host path, host_path.py: the default once a call of the signature
@@ -19,7 +19,9 @@ has run) and "python" (FLASHQLA_TUNE_HOST_PATH=python), with the number of calls
             implementation that synchronises the host with the GPU inside its call (FlashQLA's
             CP planning does) shows max(host, GPU) here, which is what an eager caller waits.
 
-    FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/host_overhead.py OUT_DIR [--no-anchors]
+Writes OUT_DIR/host_overhead.json and prints it (microseconds per call).
+
+    FLA_DISABLE_BACKEND_DISPATCH=1 python -P tools/host_overhead.py OUT_DIR [--no-anchors]    (repository root)
 """
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from flashqla_tune import abi, host_path, ops, runtime
-from flashqla_tune.bench.cases import Case
-from flashqla_tune.bench.impls import call, load_impls
-from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
+from flashqla_tune.measure.cases import Case
+from flashqla_tune.measure.impls import call, load_impls
+from flashqla_tune.measure.inputs import make_rotation, protocol_warmup_table
 
 CALLS = 200
 CP_TABLE = protocol_warmup_table(8)

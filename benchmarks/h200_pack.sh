@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# Issue 6's GPU half in one device call. Carry [".whl", ".whl-hf", ".fla"] (about 42 MB):
+# Packs and the tuner on the H200, one step per device call (each fits the 10-minute limit; repository
+# root). Carry [".whl", ".whl-hf", ".fla"] (about 42 MB):
 #   .whl     nvidia-cutlass, filelock, optuna and its wheels (the H200 image has none of them)
-#   .whl-hf  transformers 5.24 and its wheels, for the shipped model's prefill
-#   .fla     FLA 0.6.0 alone (fla/ + dist-info, from ../shared/tools/anchor-bundle.sh's archive),
-#            the dispatch target and the error bar of the forward tests
+#   .whl-hf  transformers and its wheels, for the shipped model's prefill
+#   .fla     FLA alone (fla/ + dist-info, cut from ../shared/tools/anchor-bundle.sh's archive by
+#            tools/make_device_bundles.sh), the dispatch target and the error bar of the tests
+# Steps:
+#   bash benchmarks/h200_pack.sh tests     the pack GPU tests (tests/test_gpu_pack.py): $OUT/gpu_tests.log
+#                                          (published: docs/results/gpu-tests-pack.log)
+#   bash benchmarks/h200_pack.sh build     `flashqla-tune build` of the shipped checkpoint with tuning
+#                                          (TUNE_BUDGET seconds, default 300): $OUT/build.log and the pack's
+#                                          manifest and calibration in $OUT/pack (published:
+#                                          docs/results/tuned-build.log, tuned-build-manifest.json)
+#   bash benchmarks/h200_pack.sh workers   two tuner processes sharing one journal (WORKER_GPUS=2 on an
+#                                          nvidia-h200-x2 gives each its own GPU): $OUT/worker{1,2}.log
+#                                          (published: docs/results/tuner-two-workers-{1,2}.log), $OUT/study.tar
 # The tuning journals (names carry '@', which the device's file return drops) come back as
 # $OUT/tuning.tar; copy it to .carry/tuning.tar and add ".carry/tuning.tar" to carry, and the next
-# call resumes those studies (issue 6: a build may span two calls).
-# `tests`: the GPU tests of packs (the forward's are scripts/h200_next_session.sh tests). `build`: `flashqla-tune build` of the shipped
-# checkpoint with tuning (TUNE_BUDGET seconds, default 300), leaving its log, the tuning journal
-# and the pack's manifest and calibration in $OUT. `workers`: two tuner processes sharing one
-# journal on one GPU. One step per call (each fits the 10-minute limit):
-#   bash scripts/h200_pack_session.sh tests ; bash scripts/h200_pack_session.sh build
-#   bash scripts/h200_pack_session.sh workers
+# call resumes those studies (a build may span two calls). $OUT/env.txt names the machine.
 set -uo pipefail
+STEP=${1:-tests}
+case "$STEP" in
+  tests|build|workers) ;;
+  *) echo "unknown step '$STEP' (tests | build | workers)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/pack_out}
 mkdir -p "$OUT"
-source scripts/device_setup.sh
-[ -f .fla/fla.tar.xz ] || { echo "carry .fla (scripts/make_device_bundles.sh)" >&2; exit 1; }
+source tools/device_setup.sh
+[ -f .fla/fla.tar.xz ] || { echo "carry .fla (tools/make_device_bundles.sh)" >&2; exit 1; }
 device_setup .whl .whl-hf || exit 1
 device_report "$OUT"
 mkdir -p "$FLASHQLA_TUNE_CACHE"
@@ -25,11 +35,10 @@ if [ -f .carry/tuning.tar ]; then tar -C "$FLASHQLA_TUNE_CACHE" -xf .carry/tunin
 save_tuning() { [ -d "$FLASHQLA_TUNE_CACHE/tuning" ] && tar -C "$FLASHQLA_TUNE_CACHE" -cf "$OUT/tuning.tar" tuning; }
 trap save_tuning EXIT  # also when a timeout cuts the build: the journal is what a later call resumes
 python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" | tee -a "$OUT/env.txt"
-STEP=${1:-tests}
 if [ "$STEP" = workers ]; then
-# Issue 6, part 4: two tuner processes share one journal (--study-dir) and split the trials; each
-# closing table lists the trials per worker. TUNE_BUDGET seconds each (default 240). On one GPU
-# both share it; WORKER_GPUS=2 (on an nvidia-h200-x2 machine) gives each worker its own.
+# Two tuner processes share one journal (--study-dir) and split the trials; each closing table
+# lists the trials per worker. TUNE_BUDGET seconds each (default 240). On one GPU both share it;
+# WORKER_GPUS=2 (on an nvidia-h200-x2 machine) gives each worker its own.
 jobs=$(( $(nproc) / 2 ))
 for w in 1 2; do
   gpu=0; [ "${WORKER_GPUS:-1}" = 2 ] && gpu=$(( w - 1 ))

@@ -5,8 +5,10 @@ tokenizer, on the Python standard library's own sources (no downloads).
 Runs through transformers' PyTorch path (its torch chunked GDN fallback when FLA is absent),
 on a GPU when there is one. Logs training and held-out loss (nats/byte) against the unigram
 baseline, i.e. the entropy of the training bytes, which a model that ignores context reaches.
+Writes the checkpoint, its tokenizer and the training log to DIR; the shipped model is
+calibrate/data/default_model, its training log is in docs/results/.
 
-    python -m flashqla_tune.calibrate.train_default_model --out DIR [--seconds 210] [--steps N]
+    python tools/train_default_model.py --out DIR [--seconds 210] [--steps N]    (repository root)
 """
 from __future__ import annotations
 
@@ -17,14 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-if not __package__:
-    # Run as a file: its own folder (which holds statistics.py) must not shadow the stdlib.
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+import torch
 
-import torch  # noqa: E402
-
-from flashqla_tune.calibrate.byte_tokenizer import build_byte_tokenizer  # noqa: E402
-from flashqla_tune.calibrate.corpus_sources import python_docs_text, python_source_texts  # noqa: E402
+from flashqla_tune.calibrate.byte_tokenizer import build_byte_tokenizer
+from flashqla_tune.calibrate.corpus_sources import python_docs_text, python_source_texts
 
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
 

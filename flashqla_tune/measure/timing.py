@@ -119,8 +119,7 @@ def kernel_launches_and_ms_per_call(call, repeats: int = 5,
                                     name_of=lambda name: name) -> dict[str, tuple[float, float]]:
     """Each CUDA kernel's launches and time (ms) per call of call() (torch.profiler over `repeats`
     calls, after one warm-up call, under no_grad), summed under name_of(kernel name): where one
-    call's GPU time goes. The profile scripts (scripts/kernel_profile.py, cp_profile.py,
-    prep_ablation.py, kernel_split.py) share it."""
+    call's GPU time goes. The profile scripts in benchmarks/ and tools/ share it."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.no_grad():

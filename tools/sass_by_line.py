@@ -3,10 +3,10 @@
 disassembled with line information (nvdisasm -g), and every instruction is counted under the last
 source line nvdisasm names before it. The counts are static (unrolled loops count once per
 unrolled copy, a loop body once), so they say where the code is, not where the time goes; Nsight
-Compute's source view on the H200 weighs them (docs/kernel-notes.md, eighteenth session: the
-prep's tf32 conversions and item decodes found this way).
+Compute's source view on the H200 (tools/h200_ncu.sh) weighs them. Prints the counts per source
+line (standard output).
 
-    python scripts/sass_by_line.py 16/16 [--kernel gdn_prep_kernel] [--top 30] [-D NAME=VALUE ...]
+    python tools/sass_by_line.py 16/16 [--kernel gdn_prep_kernel] [--top 30]
         [--opcode STL --opcode LDL]   (only those opcodes: where the spills are)
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from flashqla_tune import cache
-from flashqla_tune.bench.cases import parse_heads
+from flashqla_tune.measure.cases import parse_heads
 from flashqla_tune.build import BuildConfig
 from flashqla_tune.plan import default_plan
 from flashqla_tune.sass import find_tool, opcode_of
@@ -82,12 +82,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("heads", help="H_qk/H_v, e.g. 16/16 (the default plan of that head configuration)")
     parser.add_argument("--kernel", default="gdn_prep_kernel", help="part of the mangled function name")
     parser.add_argument("--top", type=int, default=30, help="source lines to print")
-    parser.add_argument("-D", dest="defines", action="append", default=[], help="NAME=VALUE for a switch build")
     parser.add_argument("--opcode", action="append", default=[], help="count only this opcode (repeatable)")
     args = parser.parse_args(argv)
     hqk, hv = parse_heads(args.heads)
     plan = default_plan(GDNSpec(hqk, hv))
-    config = BuildConfig(extra_flags=("-DNDEBUG", "-lineinfo", *(f"-D{d}" for d in args.defines)))
+    config = BuildConfig(extra_flags=("-DNDEBUG", "-lineinfo"))
     entry = cache.get_kernels([plan], config=config)[0]
     counts, opcodes = attribute(disassemble(entry.so_path), args.kernel)
     if args.opcode:
@@ -95,7 +94,7 @@ def main(argv: list[str]) -> int:
         counts = Counter({where: sum(ops.values()) for where, ops in opcodes.items() if ops})
     total = sum(counts.values())
     which = f"{'/'.join(args.opcode)} instructions" if args.opcode else "SASS instructions"
-    print(f"{plan.name} {args.kernel}: {total} {which} ({' '.join(args.defines) or 'product build'})")
+    print(f"{plan.name} {args.kernel}: {total} {which}")
     for (file, line), n in counts.most_common(args.top):
         ops = ", ".join(f"{op} {k}" for op, k in opcodes[(file, line)].most_common(4))
         text = source_text(config.csrc_dir, file, line)[:90]

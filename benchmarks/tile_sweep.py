@@ -1,10 +1,11 @@
 """Tile sweep on the H200 with the tuner's own measurement (flashqla_tune.tune.measure): every
 KernelPlan variant is built, checked against the float64 oracle on fresh NaN-poisoned inputs (a
-wrong variant is reported, never timed), then timed by CUDA-graph replay with rotated inputs on a
-few scoreboard rows. A fixed list instead of an Optuna search, so the kernel notes can show the
-same variants side by side; `flashqla-tune tune` is the search.
+wrong variant is reported, never timed), checked for bitwise agreement with the default plan, then
+timed by CUDA-graph replay with rotated inputs on a few scoreboard rows. A fixed list instead of an
+Optuna search, so the variants can be read side by side; `flashqla-tune tune` is the search.
+Writes OUT_DIR/tile_sweep.json (the published copy: docs/results/tile-sweep.json).
 
-    python -P scripts/tile_sweep.py OUT_DIR
+    python -P benchmarks/tile_sweep.py OUT_DIR    (repository root)
 """
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ import sys
 
 import torch
 
+from flashqla_tune.measure.cases import Case
+from flashqla_tune.measure.inputs import make_inputs
 from flashqla_tune.plan import KernelPlan, TileParams, default_plan
 from flashqla_tune.spec import GDNSpec
-from flashqla_tune.bench.cases import Case
-from flashqla_tune.bench.inputs import make_inputs
 from flashqla_tune.tune.measure import CacheBuilder, GraphTimer, OracleChecker, forward_on_inputs
 
-# The tenth session's question: does a second CTA per SM (the tuner's ctas_per_sm=2 plan) win the
-# rows whose batch already fills the GPU, where the default ran its CTAs in two waves? It did, so
-# since the eleventh session the default plan's library runs its own two-per-SM copy on calls with
-# more sequential CTAs than SMs (TwoPerSmConfig): on those rows the default column times that copy.
+# The sequential kernel's stage counts, and a second CTA per SM (the tuner's ctas_per_sm=2 plans)
+# on rows whose batch already fills the GPU. The default plan's library runs its own two-per-SM
+# copy on calls with more sequential CTAs than SMs (TwoPerSmConfig), so on those rows the default
+# column times that copy.
 VARIANTS = [TileParams(stages=3), TileParams(stages=2), TileParams(stages=1, producer_regs=24, ctas_per_sm=2),
             TileParams(stages=1, producer_regs=24, ctas_per_sm=2, prep_threads=128)]
 # (h_qk, h_v) -> the scoreboard length mixes to time: the rows slower than FlashQLA first, so a call

@@ -1,9 +1,12 @@
 """Host time of the library call alone (fqt_gdn_fwd: the launches and their argument set-up, no
-Python op) for a calibrated CP call at 32k tokens, this tree's build beside an older csrc/ folder
-(FQT_BASE_CSRC), in one process and alternating, so that host noise falls on both alike. The
-arguments are the ones the op itself built for the call (captured from its launch).
+Python op) for a calibrated CP call at 32k tokens on 2/8 heads, this tree's build beside an older
+csrc/ folder (FQT_BASE_CSRC), in one process and alternating, so that host noise falls on both
+alike. The arguments are the ones the op itself built for the call (captured from its launch,
+measure.variants.capture_launch), each build given a workspace of its own size. Microseconds, in
+OUT_DIR/host_launch_ab.json (the published copy: docs/results/host-launch-ab.json).
 
-    FQT_BASE_CSRC=.carry/base-csrc python -P scripts/host_launch_ab.py OUT_DIR    (repository root)
+    FQT_BASE_CSRC=.carry/base-csrc python -P benchmarks/host_launch_ab.py OUT_DIR    (repository
+        root; benchmarks/h200_steps.sh host-ab)
 """
 from __future__ import annotations
 
@@ -12,38 +15,32 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_queue_probe import op_call  # noqa: E402  the op's call on one of the protocol's inputs
 
-from flashqla_tune import runtime  # noqa: E402
-from flashqla_tune.bench.cases import Case  # noqa: E402
-from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table  # noqa: E402
-from flashqla_tune.bench.variants import build_variants, running  # noqa: E402
+from flashqla_tune import host_path, runtime  # noqa: E402
 from flashqla_tune.build import BuildConfig  # noqa: E402
+from flashqla_tune.loader import open_library  # noqa: E402
+from flashqla_tune.measure.cases import Case  # noqa: E402
+from flashqla_tune.measure.inputs import make_rotation, protocol_warmup_table  # noqa: E402
+from flashqla_tune.measure.variants import build_variants, capture_launch  # noqa: E402
 from flashqla_tune.spec import GDNSpec  # noqa: E402
 
 ROUNDS, ISOLATED, BACK_TO_BACK = 10, 30, 20
 
 
-def captured_launch(entry, plan, x, table):
-    """(lib, args, stream, workspace): the op's own launch of this call on entry's library, with a
-    workspace of our own that stays alive while it is replayed."""
-    seen = {}
-    with running(entry, plan) as lib:
-        own = lib.launch
-        lib.launch = lambda args, stream: seen.update(args=args, stream=stream) or own(args, stream)
-        try:
-            op_call(x, warmup=table)()
-        finally:
-            del lib.launch
-    args = seen["args"]
-    T, N = args.total_tokens, args.num_seqs
-    workspace = torch.empty(lib.workspace_bytes(T, N, args.max_segments), dtype=torch.uint8, device="cuda")
+def with_own_workspace(lib, args):
+    """(lib, a copy of args whose workspace is sized by lib and stays alive while it is replayed,
+    the workspace tensor)."""
+    args = type(args).from_buffer_copy(args)
+    workspace = torch.empty(lib.workspace_bytes(args.total_tokens, args.num_seqs, args.max_segments),
+                            dtype=torch.uint8, device="cuda")
     args.workspace = workspace.data_ptr()
-    return lib, args, seen["stream"], workspace
+    return lib, args, workspace
 
 
 def isolated_us(lib, args, stream) -> list[float]:
@@ -71,18 +68,24 @@ def main(out_dir: str) -> int:
     if not base:
         print("FQT_BASE_CSRC (an older csrc/ folder) is not set", file=sys.stderr)
         return 2
+    # The op's call below takes the Python host path, whose launch is the one captured; switched
+    # off, the C++ host path's extension does not build in the background while the host is timed.
+    os.environ[host_path.ENV_SWITCH] = "python"
     plan = runtime.default_plan_for(GDNSpec(2, 8))
     entries = build_variants([plan], {"this": ("-DNDEBUG",), "base": BuildConfig(csrc=base, extra_flags=("-DNDEBUG",))})
+    libs = {name: open_library(e[0].so_path, plan) for name, e in entries.items()}
     x = make_rotation(Case(2, 8, (32768,)), 1, "cuda")[0]
     table = protocol_warmup_table(8)
-    calls = {name: captured_launch(e[0], plan, x, table) for name, e in entries.items()}
+    with torch.no_grad():
+        args, stream = capture_launch(plan, libs["this"], op_call(x, warmup=table))
+    calls = {name: with_own_workspace(lib, args) for name, lib in libs.items()}
     samples = {name: {"isolated": [], "b2b": []} for name in calls}
     with torch.no_grad():
-        for lib, args, stream, _ in calls.values():
+        for lib, args, _ in calls.values():
             for _ in range(20):
                 lib.launch(args, stream)
         for _ in range(ROUNDS):
-            for name, (lib, args, stream, _) in calls.items():
+            for name, (lib, args, _) in calls.items():
                 samples[name]["isolated"] += isolated_us(lib, args, stream)
                 samples[name]["b2b"].append(back_to_back_us(lib, args, stream))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "call": "2/8 1x32768, calibrated table",

@@ -1,7 +1,10 @@
-"""Is the 32k CP call's host time a launch-queue effect? Back-to-back means over N calls, and
-calls timed one at a time after a synchronize (an empty queue), on the C++ host path.
+"""Eager host time per call of the op on the C++ host path, 2/8 heads: the calibrated CP call and
+the default call at 32768 tokens and the single chain at 2048, each timed one call at a time after
+a synchronize (an empty launch queue) and as back-to-back means over 5 to 80 calls, so a
+launch-queue effect shows as the gap between the two. Microseconds, in OUT_DIR/host_queue_probe.json
+(the published copy: docs/results/host-queue-probe.json).
 
-    python3 scripts/host_queue_probe.py OUT_DIR      (scripts/h200_next_session.sh host-alone)
+    python3 benchmarks/host_queue_probe.py OUT_DIR      (repository root; benchmarks/h200_steps.sh host)
 """
 import json
 import sys
@@ -10,8 +13,8 @@ import time
 import torch
 
 from flashqla_tune import host_path, ops
-from flashqla_tune.bench.cases import Case
-from flashqla_tune.bench.inputs import make_rotation, protocol_warmup_table
+from flashqla_tune.measure.cases import Case
+from flashqla_tune.measure.inputs import make_rotation, protocol_warmup_table
 
 BACK_TO_BACK = (5, 10, 20, 40, 80)
 ONE_AT_A_TIME = 100

@@ -1,14 +1,17 @@
 """GPU time per kernel of one forward call: ours (the calibrated column), FLA and FlashQLA on the
 same protocol inputs, in one run (torch.profiler's CUDA activity, no hardware counters). It shows
-which stage of which implementation wins on the rows where ours is slower than FlashQLA (issue 5),
-e.g. whether FlashQLA's WY/solve kernels take less time than our prep.
+which stage of which implementation wins on the rows where ours is slower than FlashQLA, e.g.
+whether FlashQLA's WY/solve kernels take less time than our prep.
 
 Each implementation gets 3 warm-up calls (JIT, autotuning, our plan's build), then CALLS profiled
-eager calls on the same inputs (bench.timing.kernel_launches_and_ms_per_call); per kernel name:
+eager calls on the same inputs (measure.timing.kernel_launches_and_ms_per_call); per kernel name:
 launches per call and us per call. Kernel time only: launch gaps and host time are not in it.
+Writes OUT_DIR/kernel_split.json and prints each row (the published per-kernel profile:
+docs/results/kernel-split.json and .log).
 
-    FLA_DISABLE_BACKEND_DISPATCH=1 python -P scripts/kernel_split.py OUT_DIR [--heads 16/16 ...]
-        [--seqlens 8192x4 ...] [--impl flashqla_tune_single_chain ...]
+    FLA_DISABLE_BACKEND_DISPATCH=1 python -P benchmarks/kernel_split.py OUT_DIR [--heads 16/16 ...]
+        [--seqlens 8192x4 ...] [--impl flashqla_tune_single_chain ...]    (repository root;
+        benchmarks/h200_steps.sh kernel-split)
 """
 from __future__ import annotations
 
@@ -19,10 +22,10 @@ import sys
 
 import torch
 
-from flashqla_tune.bench.cases import Case, parse_seqlens
-from flashqla_tune.bench.impls import call, load_impls
-from flashqla_tune.bench.inputs import make_rotation
-from flashqla_tune.bench.timing import kernel_launches_and_ms_per_call
+from flashqla_tune.measure.cases import Case, parse_seqlens
+from flashqla_tune.measure.impls import call, load_impls
+from flashqla_tune.measure.inputs import make_rotation
+from flashqla_tune.measure.timing import kernel_launches_and_ms_per_call
 
 CALLS = 5
 SEQLENS = [(32768,), (16384, 16384), (8192,) * 4, (1024,) * 8, (2048,)]

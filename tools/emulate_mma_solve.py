@@ -2,14 +2,15 @@
 CPU lane by lane: the same shared-memory tile (kk, 64 rows of 68 floats, X into its upper
 triangle), the same per-thread index arithmetic, and each mma.sync m16n8k8 built from the 32
 lanes' fragment registers as the PTX ISA lays them out (TF32 operands truncated, the low 13 bits
-cleared, as the kernel takes them since the nineteenth session; fp32 accumulation). A wrong
-fragment index or a wrong k order shows as a large error against the float64 inverse: the check
-to run before a changed solve goes to the H200. With --rna the TF32 parts are rounded to nearest,
-ties away (cvt.rna.tf32.f32), as the kernel took them before. With --separate-x, X goes into a
-NaN-filled tile of its own, as FQT_PREP_TC_HEADS solves heads 1..3: every X read must then find
-a cell an earlier stage wrote.
+cleared, as the kernel takes them; fp32 accumulation). A wrong fragment index or a wrong k order
+shows as a large error against the float64 inverse: the check to run before a changed solve goes
+to the H200. With --rna the TF32 parts are rounded to nearest, ties away (cvt.rna.tf32.f32), the
+costlier split the kernel does not take. With --separate-x, X goes into a NaN-filled tile of its
+own, as when several v-heads solve at once (solve_into): every X read must then find a cell an
+earlier stage wrote. Prints the errors and the checks' verdicts (standard output; exit status 1
+on a failed check).
 
-    python3 scripts/emulate_mma_solve.py [--rna] [--separate-x]
+    python3 tools/emulate_mma_solve.py [--rna] [--separate-x]
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import numpy as np
 PAD = 68
 
 
-TRUNCATE = True  # --rna: False, the split the kernel used before the nineteenth session
-SEPARATE_X = False  # --separate-x: X into a tile of its own (FQT_PREP_TC_HEADS)
+TRUNCATE = True  # --rna: False, rounding to nearest instead of the kernel's truncation
+SEPARATE_X = False  # --separate-x: X into a tile of its own (several v-heads solved at once)
 
 
 def tf32(x: np.float32) -> np.float32:
@@ -35,7 +36,7 @@ def tf32(x: np.float32) -> np.float32:
 class Tiles:
     """The shared-memory tiles as the kernel's accessors see them: L from K K^T's lower triangle,
     X into `xt` (K K^T itself, or with --separate-x a tile of its own filled with NaN first, as
-    FQT_PREP_TC_HEADS gives heads 1..3). It records which cells a stage reads, so each stage can be
+    solve_into gives the heads solved beside the first). It records which cells a stage reads, so each stage can be
     checked to write only cells none of its threads read, and to read X only where it was written."""
 
     def __init__(self, kk: np.ndarray, beta: np.ndarray, xt: np.ndarray | None = None):

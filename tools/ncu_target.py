@@ -1,9 +1,9 @@
-"""The program `scripts/h200_next_session.sh ncu` runs under Nsight Compute: one eager call of our
+"""The program tools/h200_ncu.sh runs under Nsight Compute: one eager call of our
 forward per case (serial prep schedule, so each kernel runs alone), after a warm-up call that
 builds and loads the plan outside the profiled range (cudaProfilerStart/Stop bracket the calls;
 ncu runs with --profile-from-start off).
 
-    python -P scripts/ncu_target.py [H/V:SEQLENS ...]   (under ncu; alone it just runs the calls)
+    python -P tools/ncu_target.py [H/V:SEQLENS ...]   (under ncu; alone it just runs the calls)
 
 Cases default to CASES below; e.g. 16/16:1024x8 2/8:1024x8 profiles the short-sequence rows.
 """
@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from flashqla_tune.bench.cases import Case, parse_heads, parse_seqlens
-from flashqla_tune.bench.inputs import make_rotation
+from flashqla_tune.measure.cases import Case, parse_heads, parse_seqlens
+from flashqla_tune.measure.inputs import make_rotation
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 from flashqla_tune.tune.measure import forward_on_inputs

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The scoreboard on the H200 (device tool `run`, carry [".whl-bench", ".anchors"]). Installs the carried
-# wheels (nvidia-cutlass: our kernels build there) and this checkout into /tmp/site unless the
-# caller did already, unpacks the anchor bundle (FLA, FlashQLA) if present, writes
-# scoreboard.md/.json and the log to $OUT, and prints the table last. Extra arguments go to
-# `flashqla-tune bench`, e.g. --quick.
+# The scoreboard on the H200 (device tool `run`, carry [".whl-bench", ".anchors"]; repository root).
+# Installs the carried wheels (nvidia-cutlass: our kernels build there) and this checkout into
+# /tmp/site unless the caller did already, unpacks the anchor bundle (FLA, FlashQLA) if present,
+# writes scoreboard.md/.json, bench.log and nvidia-smi.txt to $OUT, and prints the table last
+# (published: docs/results/scoreboard.md). Extra arguments go to `flashqla-tune bench`, e.g. --quick.
 set -uo pipefail
 OUT=${OUT:-/tmp/scoreboard_out}
 mkdir -p "$OUT"
 if [ -z "${PYTHONPATH:-}" ]; then  # not set up by a calling script
-  source scripts/device_setup.sh
+  source tools/device_setup.sh
   device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
 fi
 [ -f .anchors/anchors.tar.xz ] || echo "no .anchors/anchors.tar.xz: FLA and FlashQLA will be skipped" >&2

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Kernel check on the H200 (device tool `run`, carry [".whl", ".anchors"]): builds the plans the
-# GPU tests and the scoreboard use, runs the gpu-marked tests against the float64 oracle
-# (FLA's error on the same inputs sets the bar when the anchors are carried), then the
-# scoreboard with the arguments given (e.g. --quick --impl flashqla_tune --impl fla). Logs go to $OUT; the summary prints last.
+# Kernel check on the H200 (device tool `run`, carry [".whl-bench", ".anchors"]; repository root):
+# builds the plans the GPU tests and the scoreboard use, runs the forward module's gpu-marked tests
+# against the float64 oracle (FLA's error on the same inputs sets the bar when the anchors are
+# carried), then the scoreboard with the arguments given (e.g. --quick --impl flashqla_tune --impl
+# fla). Writes env.txt, build.log, gpu_tests.log (published: docs/results/gpu-tests-forward.log),
+# scoreboard_run.log and the scoreboard's files to $OUT; the summary prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/kernel_check_out}
 mkdir -p "$OUT"
-source scripts/device_setup.sh
-device_setup .whl || exit 1
+source tools/device_setup.sh
+device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
 export FLA_DISABLE_BACKEND_DISPATCH=1
 device_report "$OUT"
 # Build every plan the tests and the quick bench touch, in parallel, before anything runs.
@@ -25,5 +27,5 @@ for e in entries:
     print(e.plan.name, {k: (r.get("registers"), r.get("spill_stores")) for k, r in e.resources.items() if r.get("entry")})
 PY
 python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 60
-bash scripts/h200_scoreboard.sh "$@" > "$OUT/scoreboard_run.log" 2>&1
+bash benchmarks/h200_scoreboard.sh "$@" > "$OUT/scoreboard_run.log" 2>&1
 tail -n 45 "$OUT/scoreboard_run.log"

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# The forward's measurements on the H200, one step per device call (device tool `run`, repository
+# root; carry [".whl-bench", ".anchors"], see tools/make_device_bundles.sh). Each step fits the
+# 10-minute limit and writes to $OUT (the device returns at most 8 files a call, so a step that
+# writes more tars them); its summary prints last.
+#   bash benchmarks/h200_steps.sh setup        install and describe the machine: $OUT/env.txt, $OUT/info.txt
+#   bash benchmarks/h200_steps.sh tests        tests/test_gpu_forward.py in four pytest processes on one GPU:
+#                                              $OUT/gpu_tests.log (published: docs/results/gpu-tests-forward.log)
+#   bash benchmarks/h200_steps.sh tests-x2     the same on nvidia-h200-x2, two processes per GPU
+#   bash benchmarks/h200_steps.sh gpu-tests EXPR   the forward GPU tests matching the -k expression EXPR
+#   bash benchmarks/h200_steps.sh half 1|2     one half of the scoreboard (all our columns, FLA, FlashQLA)
+#                                              on GPU 0: $OUT/scoreboard-gpu0.tar.gz
+#   bash benchmarks/h200_steps.sh pair-score   both halves at once on nvidia-h200-x2:
+#                                              $OUT/scoreboard-gpu0.tar.gz and scoreboard-gpu1.tar.gz
+#   bash benchmarks/h200_steps.sh join DIR HALF.tar.gz HALF.tar.gz   (here, no GPU) the two halves
+#                                              unpacked into DIR and joined into DIR/scoreboard.{md,json}
+#                                              (published: docs/results/scoreboard.md, scoreboard-half-*.json)
+#   bash benchmarks/h200_steps.sh host         eager host time: tools/host_overhead.py, then
+#                                              benchmarks/host_queue_probe.py (published:
+#                                              docs/results/host-queue-probe.json); needs a quiet machine
+#   bash benchmarks/h200_steps.sh host-ab      (carry .carry too, .carry/base-csrc holding the csrc/ to compare)
+#                                              benchmarks/host_launch_ab.py (published:
+#                                              docs/results/host-launch-ab.json), then the host step
+#   bash benchmarks/h200_steps.sh kernel-split ARGS   benchmarks/kernel_split.py with ARGS (--heads,
+#                                              --seqlens, --impl): $OUT/kernel_split.json and .log
+#                                              (published: docs/results/kernel-split.json)
+# Packs and the tuner: benchmarks/h200_pack.sh. Nsight Compute: tools/h200_ncu.sh.
+set -uo pipefail
+OUT=${OUT:-/tmp/steps_out}
+mkdir -p "$OUT"
+STEP=${1:-tests}
+case "$STEP" in
+  setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split) ;;
+  *) echo "unknown step '$STEP' (setup | tests | tests-x2 | gpu-tests | half | pair-score | join | host |" \
+       "host-ab | kernel-split)" >&2
+     exit 2 ;;
+esac
+
+if [ "$STEP" = join ]; then
+  # Runs where the halves came back: no device set-up, no GPU (the join reads JSON alone).
+  [ $# -eq 4 ] || { echo "join takes DIR HALF.tar.gz HALF.tar.gz" >&2; exit 2; }
+  # Each half unpacks into DIR/<archive name>/ and stays there beside the joined table.
+  dest=$2 joins=()
+  for archive in "$3" "$4"; do
+    part="$dest/$(basename "$archive" .tar.gz)"
+    mkdir -p "$part" && tar -C "$part" -xzf "$archive" || exit 1
+    json=$(ls "$part"/gpu*/scoreboard.json 2>/dev/null | head -n 1)
+    [ -n "$json" ] || { echo "$archive holds no gpu*/scoreboard.json" >&2; exit 1; }
+    joins+=(--join "$json")
+  done
+  exec python3 -m flashqla_tune.cli.bench "${joins[@]}" --out "$dest" --stem scoreboard
+fi
+
+source tools/device_setup.sh
+# .whl-bench (no optuna storage wheels) keeps [wheels, .anchors] under the 64 MiB a call carries
+device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
+export FLA_DISABLE_BACKEND_DISPATCH=1
+
+# The scoreboard's two halves of three head configurations each: one GPU's share in OUT/gpuN (the
+# bench writes scoreboard.* there); --prewarm compiles every head configuration's kernels (FLA,
+# FlashQLA, ours) in parallel first; --budget-s stops starting new rows in time for the table to
+# be written. score_half GPU --heads H/V ...
+FIRST_HALF=(--heads 16/16 --heads 2/8 --heads 4/16)
+SECOND_HALF=(--heads 8/24 --heads 16/32 --heads 8/32)
+score_half() {
+  local gpu=$1
+  shift
+  mkdir -p "$OUT/gpu$gpu"
+  CUDA_VISIBLE_DEVICES=$gpu OUT="$OUT/gpu$gpu" timeout "${SCORE_TIMEOUT_S:-440}" bash benchmarks/h200_scoreboard.sh \
+    --impl flashqla_tune --impl flashqla_tune_single_chain --impl flashqla_tune_warmup --impl flashqla_tune_exact_cp \
+    --impl fla --impl flashqla "$@" --accuracy-max-tokens 0 --sample-budget-s 0.05 --budget-s "${SCORE_BUDGET_S:-370}" --prewarm \
+    > "$OUT/gpu$gpu/scoreboard_run.log" 2>&1
+}
+# What a call keeps of a half: its calibrated column's summary line printed, its folder as one archive.
+pack_score_half() {
+  grep -A12 "^Summary, graph" "$OUT/gpu$1/scoreboard.md" | grep flashqla_tune_warmup
+  tar -C "$OUT" -czf "$OUT/scoreboard-gpu$1.tar.gz" "gpu$1" && rm -rf "${OUT:?}/gpu$1"
+}
+# The forward module in four groups of similar length: the oracle cases in two, the other tests
+# in two (nothing in them is timed, so groups may share a GPU; the plans build once, the cache's
+# file lock makes the other processes wait). forward_group I GPU TIMEOUT_S runs group I;
+# collect_forward_groups joins their logs into gpu_tests.log and prints the counts and failures.
+ORACLE="test_forward_matches_float64_oracle"
+CP_TESTS="context_parallel or forced_short or cpp_host or graph or two_ctas or malformed or no_sequence or int32 or 16_byte"
+FORWARD_GROUPS=("$ORACLE and (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+                "$ORACLE and not (gva_varlen_bf16 or l2norm or strong or weak or zero or gqa2)"
+                "not $ORACLE and ($CP_TESTS)" "not $ORACLE and not ($CP_TESTS)")
+forward_group() {
+  CUDA_VISIBLE_DEVICES=$2 timeout "$3" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py \
+    -p no:cacheprovider --durations=0 -k "${FORWARD_GROUPS[$1]}" > "$OUT/gpu_tests_$1.log" 2>&1
+}
+collect_forward_groups() {
+  cat "$OUT"/gpu_tests_[0123].log > "$OUT/gpu_tests.log"; rm -f "$OUT"/gpu_tests_[0123].log
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
+  grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
+}
+info() {
+  python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
+}
+# The host step on GPU 0, alone on the machine (parallel builds inflate host times 1.5-2x): the
+# per-layer split without FLA and FlashQLA, then calls one at a time after a synchronize.
+host_step() {
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -P tools/host_overhead.py "$OUT" --no-anchors > "$OUT/host_overhead.log" 2>&1
+  tail -n 1 "$OUT/host_overhead.log" | cut -c1-700
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -P benchmarks/host_queue_probe.py "$OUT" > "$OUT/host_queue_probe.log" 2>&1
+  tail -n 4 "$OUT/host_queue_probe.log" | cut -c1-600
+}
+
+case "$STEP" in
+  setup)
+    device_report "$OUT"
+    info
+    cat "$OUT/info.txt" ;;
+  tests)
+    info
+    for i in 0 1 2 3; do forward_group "$i" 0 "${TESTS_TIMEOUT_S:-540}" & done
+    wait
+    collect_forward_groups ;;
+  tests-x2)
+    info
+    for i in 0 1 2 3; do forward_group "$i" $((i / 2)) "${TESTS_TIMEOUT_S:-450}" & done
+    wait
+    collect_forward_groups ;;
+  gpu-tests)
+    [ -n "${2:-}" ] || { echo "gpu-tests takes a -k expression" >&2; exit 2; }
+    timeout "${TESTS_TIMEOUT_S:-400}" python3 -m pytest -q -s -m gpu tests/test_gpu_forward.py -p no:cacheprovider \
+      --durations=0 -k "$2" > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 2
+    grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true ;;
+  half)
+    case "${2:-}" in
+      1) half=("${FIRST_HALF[@]}") ;;
+      2) half=("${SECOND_HALF[@]}") ;;
+      *) echo "half takes 1 or 2, not '${2:-}'" >&2; exit 2 ;;
+    esac
+    SCORE_TIMEOUT_S=${SCORE_TIMEOUT_S:-400} SCORE_BUDGET_S=${SCORE_BUDGET_S:-330} score_half 0 "${half[@]}"
+    pack_score_half 0 ;;
+  pair-score)
+    score_half 0 "${FIRST_HALF[@]}" &
+    score_half 1 "${SECOND_HALF[@]}" &
+    wait
+    pack_score_half 0; pack_score_half 1 ;;
+  host)
+    host_step ;;
+  host-ab)
+    FQT_BASE_CSRC=.carry/base-csrc timeout 200 python3 -P benchmarks/host_launch_ab.py "$OUT" > "$OUT/host_launch_ab.log" 2>&1
+    tail -n 1 "$OUT/host_launch_ab.log" | cut -c1-900
+    host_step ;;
+  kernel-split)
+    timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P benchmarks/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
+    echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;
+esac
