@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CalibrationError
+from ..calibration_settings import CalibrationError
 from .hashing import corpus_hash
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".html")

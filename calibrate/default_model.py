@@ -1,4 +1,4 @@
-"""Where the embedded default checkpoint lives (trained by calibrate/train_default_model.py)."""
+"""Where the embedded default checkpoint lives (trained by tools/train_default_model.py)."""
 from __future__ import annotations
 
 from importlib import resources

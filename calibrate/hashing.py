@@ -13,10 +13,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ..calibration_settings import CalibrationError
 from ..environment import cache_dir
-from ..files import sha256_file
-from .atomic import atomic_write_text
-from .errors import CalibrationError
+from ..files import atomic_write_text, sha256_file
 
 WEIGHT_SUFFIXES = (".safetensors",)
 

@@ -12,19 +12,18 @@ from pathlib import Path
 
 import torch
 
+from ..calibration_artifact import Calibration, save_calibration
+from ..calibration_settings import CalibrationError, CalibrationSettings
 from ..environment import cache_dir
 from ..model_config import ConfigError, read_model_config
 from .adapters import adapter_class
-from .artifact import Calibration, save_calibration
 from .corpus import load_tokenizer, read_corpus, tokenize_corpus
 from .default_model import default_model_path
-from .errors import CalibrationError
 from .hashing import checkpoint_hash
 from .runner import run_layer_by_layer, steps
-from .settings import CalibrationSettings
 from .weights import WeightIndex
 
-# Defaults per device kind: the GPU takes the 64 x 4096 tokens; the CPU takes fewer so
+# Defaults per device kind: the GPU takes 64 sequences of 4096 tokens; the CPU takes fewer so
 # that calibrating the shipped model stays under a minute on a 2-core machine.
 DEFAULT_TOKENS = {"cuda": (4096, 64), "cpu": (2048, 24)}
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import Calibration
-from .atomic import atomic_write_bytes, atomic_write_text
-from .statistics import QUANTILE_LEVELS
+from ..calibration_artifact import QUANTILE_LEVELS, Calibration
+from ..files import atomic_write_bytes, atomic_write_text
 
 REPORT_NAME = "calibration.md"
 FIGURE_NAME = "calibration.png"

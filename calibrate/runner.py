@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..calibration_settings import CalibrationSettings
 from .adapters.base import GDNAdapter
-from .settings import CalibrationSettings
 from .statistics import GateAccumulator, LayerStats
 
 

@@ -5,69 +5,18 @@ the gate's summed log-decay over those n chunks is at most log(eps) (DESIGN.md, 
 For each head we measure, over every window of n consecutive full chunks inside one sequence,
 the fraction whose sum stays *above* log(eps) (the windows that would not decay enough);
 n_h is the smallest n <= N where that fraction is at most 1 - Q. No such n: class "exact".
-Nothing here needs a checkpoint: tests and the benchmark call it on synthetic gates.
+Nothing here needs a checkpoint: tests and the benchmark call it on synthetic gates. The records it
+returns (HeadStats, LayerStats) are the artifact's, in flashqla_tune.calibration_artifact.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from .errors import CalibrationError
-from .settings import CalibrationSettings
-
-WARMUP, EXACT = "warmup", "exact"
-# Quantile levels of the per-chunk summed log-decay stored per head (0 = most decay).
-QUANTILE_LEVELS = (0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 1.0)
-
-
-@dataclass(frozen=True)
-class HeadStats:
-    head: int
-    n_h: int | None                      # None for class "exact"
-    cls: str                             # WARMUP or EXACT
-    chunk_log_decay_quantiles: tuple[float, ...]   # at QUANTILE_LEVELS
-    above_fraction: tuple[float | None, ...]       # n = 1..N; None where no window of n chunks exists
-    zero_decay_fraction: float
-
-    @property
-    def warmup(self) -> int:
-        """The kernel-table value: warm-up chunks, or -1 = chain exactly."""
-        return -1 if self.n_h is None else self.n_h
-
-
-@dataclass(frozen=True)
-class LayerStats:
-    layer: int            # GDN-layer index (0-based over the model's GDN layers)
-    decoder_layer: int    # index among all decoder layers
-    num_tokens: int
-    num_chunks: int
-    heads: tuple[HeadStats, ...] = field(default_factory=tuple)
-
-    @property
-    def warmup_table(self) -> list[int]:
-        return [h.warmup for h in self.heads]
-
-    def summary_line(self, max_window: int) -> str:
-        """One plain-language sentence, e.g. 'layer 3: 6 of 8 heads reach eps within 2 chunks; ...'."""
-        warm = [h.n_h for h in self.heads if h.n_h is not None]
-        exact = len(self.heads) - len(warm)
-        parts = []
-        if warm:
-            spread = f"within {max(warm)} chunk{'s' if max(warm) > 1 else ''}"
-            if min(warm) != max(warm):
-                spread += f" (fastest {min(warm)}, median {int(np.median(warm))})"
-            parts.append(f"{len(warm)} of {len(self.heads)} heads reach eps {spread}")
-        else:
-            parts.append(f"0 of {len(self.heads)} heads reach eps within {max_window} chunks")
-        if exact:
-            zero = sum(1 for h in self.heads if h.n_h is None and h.zero_decay_fraction > 0.5)
-            note = f"; {zero} of them mostly zero-decay" if zero else ""
-            parts.append(f"{exact} head{'s' if exact > 1 else ''} never decay enough within "
-                         f"{max_window} chunks: exact{note}")
-        return f"layer {self.layer}: " + "; ".join(parts)
+from ..calibration_artifact import EXACT, QUANTILE_LEVELS, WARMUP, HeadStats, LayerStats
+from ..calibration_settings import CalibrationError, CalibrationSettings
 
 
 def as_sequences(gates) -> list[torch.Tensor]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import CalibrationError
+from ..calibration_settings import CalibrationError
 
 
 class WeightIndex:

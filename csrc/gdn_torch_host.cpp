@@ -1,7 +1,8 @@
-// The eager op's host path in C++ (flashqla_tune/host_path.py builds it as a torch extension).
+// The eager op's host path in C++ (flashqla_tune/host_path.py builds it as a torch extension; a
+// kernel pack carries it prebuilt).
 //
-// A Context holds what the Python op settled once for a call signature (heads, dtype, device,
-// state layout, warm-up table): the plan library's entry points and the CP tables. Per call,
+// A SignatureContext holds what the Python op settled once for a call signature (heads, dtype,
+// device, state layout, warm-up table): the plan library's entry points and the CP tables. Per call,
 // `forward` checks the tensors against it, allocates o, the final state and the scratch from
 // torch's caching allocator and launches the library on the stream the caller passes: one
 // crossing from Python instead of a few dozen small Python steps.
@@ -23,45 +24,33 @@
 #include <vector>
 
 #include "gdn_abi.h"
+#include "gdn_segment_policy.h"
 
 namespace py = pybind11;
 
 namespace {
 
-using LaunchFn = int32_t (*)(const FqtGdnFwdArgs*, void*);
-using WorkspaceFn = int64_t (*)(int64_t, int64_t, int64_t);
+// The plan library's two entry points a context calls (csrc/gdn_abi.h).
+using LibraryLaunchFn = int32_t (*)(const FqtGdnFwdArgs*, void*);
+using LibraryWorkspaceBytesFn = int64_t (*)(int64_t, int64_t, int64_t);
 
-constexpr int kSegmentBuckets = 32;  // csrc/gdn_cp.cuh kSegmentBuckets (flashqla_tune/cp_plan.py)
-constexpr int64_t kMaxSequences = 65535;
-constexpr int64_t kMaxTokens = (int64_t(1) << 31) - 1;
+using fqt::bucket_of_chunks;  // the segment policy: csrc/gdn_segment_policy.h
+using fqt::kMaxSequences;
+using fqt::kMaxTokens;
+using fqt::kSegmentBuckets;
+using fqt::segments_of;
 
-// Segments of a sequence of `chunks` chunks cut every `length` (cp_plan.segments_of).
-int64_t segments_of(int64_t chunks, int64_t length) {
-  return 0 < length && length < chunks ? (chunks + length - 1) / length : 1;
-}
-
-// The segment-table entry of a sequence of `chunks` chunks (cp_plan.bucket_of_chunks).
-int bucket_of_chunks(int64_t chunks) {
-  int64_t x = std::max<int64_t>(chunks - 1, 0);
-  int bits = 0;
-  while (x > 0) {
-    ++bits;
-    x >>= 1;
-  }
-  return std::min(bits, kSegmentBuckets - 1);
-}
-
-struct Context {
-  LaunchFn launch = nullptr;
-  WorkspaceFn workspace_bytes = nullptr;
+struct SignatureContext {
+  LibraryLaunchFn launch = nullptr;
+  LibraryWorkspaceBytesFn workspace_bytes = nullptr;
   at::Device device{at::kCPU};
   at::ScalarType qkv_dtype = at::kBFloat16;
   int64_t hqk = 0, hv = 0, head_k = 0, head_v = 0;
   bool state_v_first = false;
-  // Context parallelism (warmup.WarmupTables); warmup_ptr == 0: off.
+  // Context parallelism (warmup_tables.WarmupTables); warmup_ptr == 0: off.
   int64_t warmup_ptr = 0, segment_chunks_ptr = 0;
   double log_eps = 0.0;
-  std::vector<int64_t> lengths, top_extra, top_shortest;  // warmup.SegmentBound
+  std::vector<int64_t> lengths, top_extra, top_shortest;  // warmup_tables.SegmentBound
   int64_t max_segments = 0, scratch_limit_bytes = 0, bytes_per_segment = 0;
   int32_t exact_heads = 0;  // the warm-up table's -1 entries (FqtGdnFwdArgs.exact_heads)
 
@@ -69,7 +58,7 @@ struct Context {
     return warmup_ptr != 0 && std::any_of(lengths.begin(), lengths.end(), [](int64_t n) { return n != 0; });
   }
 
-  // warmup.SegmentBound.__call__
+  // warmup_tables.SegmentBound.__call__
   int64_t bound(int64_t total_tokens, int64_t num_seqs) const {
     const int64_t chunks = total_tokens / 64 + num_seqs;
     const int64_t longest = (total_tokens + 63) / 64;
@@ -85,7 +74,7 @@ struct Context {
     return num_seqs + extra;
   }
 
-  // warmup.call_segments; -1 where Python must decide (it warns that CP is off for the call).
+  // warmup_tables.call_segments; -1 where Python must decide (it warns that CP is off for the call).
   int64_t call_segments(int64_t total_tokens, int64_t num_seqs, int64_t longest_tokens) const {
     if (!splits()) return 0;
     if (0 < longest_tokens && longest_tokens <= total_tokens && bound(longest_tokens, 1) == 1) return 0;
@@ -117,7 +106,7 @@ int64_t longest_of_offsets(const at::Tensor& cpu, int64_t expected_len, int64_t 
 }
 
 // None (the Python path takes the call) or (o, final_state or None, CUDA error code).
-py::object forward(const Context& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+py::object forward(const SignatureContext& c, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& g, const at::Tensor& beta, const c10::optional<at::Tensor>& cu_seqlens,
                    const c10::optional<at::Tensor>& cu_seqlens_cpu, const c10::optional<at::Tensor>& initial_state,
                    const c10::optional<double>& scale, bool output_final_state, bool use_qk_l2norm, int64_t stream) {
@@ -212,23 +201,24 @@ py::object forward(const Context& c, const at::Tensor& q, const at::Tensor& k, c
   return py::make_tuple(o, output_final_state ? py::cast(final_state) : py::none(), code);
 }
 
-// warmup.call_segments from C++, for tests that compare the two over many calls.
-int64_t call_segments(const Context& c, int64_t total_tokens, int64_t num_seqs, int64_t longest_tokens) {
+// warmup_tables.call_segments from C++, for tests that compare the two over many calls.
+int64_t call_segments(const SignatureContext& c, int64_t total_tokens, int64_t num_seqs, int64_t longest_tokens) {
   return c.call_segments(total_tokens, num_seqs, longest_tokens);
 }
 
-Context make_context(int64_t launch, int64_t workspace_bytes, const at::Device& device, at::ScalarType qkv_dtype,
-                     int64_t hqk, int64_t hv, int64_t head_k, int64_t head_v, bool state_v_first, int64_t warmup_ptr,
-                     int64_t segment_chunks_ptr, double log_eps, std::vector<int64_t> lengths,
-                     std::vector<int64_t> top_extra, std::vector<int64_t> top_shortest, int64_t max_segments,
-                     int64_t scratch_limit_bytes, int64_t bytes_per_segment, int64_t exact_heads) {
+SignatureContext make_context(int64_t launch, int64_t workspace_bytes, const at::Device& device,
+                              at::ScalarType qkv_dtype, int64_t hqk, int64_t hv, int64_t head_k, int64_t head_v,
+                              bool state_v_first, int64_t warmup_ptr, int64_t segment_chunks_ptr, double log_eps,
+                              std::vector<int64_t> lengths, std::vector<int64_t> top_extra,
+                              std::vector<int64_t> top_shortest, int64_t max_segments, int64_t scratch_limit_bytes,
+                              int64_t bytes_per_segment, int64_t exact_heads) {
   TORCH_CHECK(launch != 0 && workspace_bytes != 0, "a context needs the library's entry points");
   TORCH_CHECK(warmup_ptr == 0 || (lengths.size() == kSegmentBuckets && top_extra.size() == kSegmentBuckets - 1 &&
                                   top_shortest.size() == kSegmentBuckets - 1),
               "a CP context needs ", kSegmentBuckets, " segment lengths and their bound tables");
-  Context c;
-  c.launch = reinterpret_cast<LaunchFn>(launch);
-  c.workspace_bytes = reinterpret_cast<WorkspaceFn>(workspace_bytes);
+  SignatureContext c;
+  c.launch = reinterpret_cast<LibraryLaunchFn>(launch);
+  c.workspace_bytes = reinterpret_cast<LibraryWorkspaceBytesFn>(workspace_bytes);
   c.device = device;
   c.qkv_dtype = qkv_dtype;
   c.hqk = hqk;
@@ -253,7 +243,9 @@ Context make_context(int64_t launch, int64_t workspace_bytes, const at::Device& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ABI_VERSION") = FQT_ABI_VERSION;
-  py::class_<Context>(m, "Context");
+  // module_local: a pack's prebuilt copy and the cache's build may both be imported in one process;
+  // each keeps its own type, and a context is only ever passed back to the module that made it.
+  py::class_<SignatureContext>(m, "SignatureContext", py::module_local());
   m.def("make_context", &make_context);
   m.def("forward", &forward);
   m.def("call_segments", &call_segments);

@@ -18,7 +18,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from . import environment
-from .render import csrc_dir, write_if_changed
+from .package_data import csrc_dir
+from .render import write_if_changed
 
 # Override the number of parallel nvcc processes (default: the machine's cores).
 JOBS_ENV = "FLASHQLA_TUNE_BUILD_JOBS"

@@ -1,7 +1,11 @@
-"""Load a built kernel library through ctypes (no PyTorch C++ extension, nothing built at import).
+"""Open a built kernel library through ctypes and check it (no PyTorch C++ extension, nothing built
+at import).
 
-A library is trusted only after it says it speaks ABI 1 and embeds the plan we asked for; a
-cache entry whose library disagrees is dropped and rebuilt once.
+A library is trusted only after it says it speaks this ABI version and embeds the plan we asked
+for. Opening a pack's libraries needs nothing else, so this module imports only abi and plan:
+`load_kernel`, which builds through the cache first (the pack-less op's first use of a plan),
+imports the compiler side when it is called; a cache entry whose library disagrees is dropped
+and rebuilt once.
 """
 from __future__ import annotations
 
@@ -9,11 +13,14 @@ import ctypes
 import json
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import abi, cache
-from .build import BuildConfig
+from . import abi
 from .plan import KernelPlan
-from .render import Renderer
+
+if TYPE_CHECKING:
+    from .build import BuildConfig
+    from .render import Renderer
 
 _loaded: dict[Path, "KernelLibrary"] = {}
 _loaded_lock = threading.Lock()
@@ -103,6 +110,8 @@ def load_kernel(plan: KernelPlan, renderer: Renderer | None = None, config: Buil
     A stale entry (wrong ABI version or embedded plan) is dropped and rebuilt once; if the fresh
     build is stale too, the template itself embeds the wrong plan and the error says so.
     """
+    from . import cache  # the compiler side (render, build, nvcc): only where a plan is built
+
     entry = cache.get_kernel(plan, renderer, config, root)
     try:
         return open_library(entry.so_path, plan)

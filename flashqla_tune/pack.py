@@ -3,6 +3,7 @@
     PACK/manifest.json       what is inside and what it was built for (read first, written last)
     PACK/calibration.json    the calibration artifact (and its report beside it)
     PACK/binaries/<plan>.so  one library per plan
+    PACK/host/<module>.so    the eager op's C++ host path, prebuilt for one torch and Python ABI
 
 A pack is tuned for one GPU (name and arch recorded) or untuned ("untuned sm_90a": default
 tiles, built without a GPU, runs on any sm_90). This module reads, checks and writes the
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import __version__
-from .cp_plan import CPPlanError, check_segment_table
+from .cp_cost_model import CostModelError, check_segment_table
 from .files import sha256_file
 from .plan import KernelPlan, PlanError
 from .spec import GDNSpec, SpecError
@@ -29,6 +30,7 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 CALIBRATION = "calibration.json"
 BINARIES = "binaries"
+HOST = "host"
 UNTUNED_TARGET = "untuned sm_90a"
 NATIVE, QK_REPEATED = "native", "qk_repeated"   # a plan's head form: the model's, or q/k repeated to Hv
 
@@ -45,7 +47,7 @@ class PackPlan:
     so: str                     # path relative to the pack
     so_sha256: str
     tuning: dict | None = None  # study, best trial, times_ms, default_times_ms, speedup; None if untuned
-    # CP segment length (chunks) per length bucket (cp_plan.SEGMENT_BUCKETS entries) that the plan
+    # CP segment length (chunks) per length bucket (segment_policy.SEGMENT_BUCKETS entries) that the plan
     # applies with the pack's calibration; None (older packs): the cost model decides per call
     segment_chunks: tuple[int, ...] | None = None
 
@@ -62,17 +64,44 @@ class PackPlan:
     def from_dict(cls, d: dict) -> "PackPlan":
         if d.get("form") not in (NATIVE, QK_REPEATED):
             raise PackError(f"plan entry has form {d.get('form')!r}, expected {NATIVE!r} or {QK_REPEATED!r}")
-        so = d["so"]
-        if not isinstance(so, str) or Path(so).is_absolute() or ".." in Path(so).parts:
-            raise PackError(f"plan entry names binary {so!r}: must be a path inside the pack")
+        so = _inside_pack(d["so"], "plan entry")
         segments = d.get("segment_chunks")
         if segments is not None:
             try:
                 segments = check_segment_table(segments)
-            except CPPlanError as exc:
+            except CostModelError as exc:
                 raise PackError(f"plan entry {d.get('name')!r}: segment_chunks: {exc}") from None
         return cls(int(d["tp_size"]), d["form"], KernelPlan.from_dict(d["plan"]), so, str(d["so_sha256"]),
                    d.get("tuning"), segments)
+
+
+def _inside_pack(rel, what: str) -> str:
+    if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+        raise PackError(f"{what} names binary {rel!r}: must be a path inside the pack")
+    return rel
+
+
+@dataclass(frozen=True)
+class HostExtension:
+    """The prebuilt C++ host extension (host_path.build_into) and what it was built for: the
+    pack's eager calls use it only under the same torch, Python ABI, csrc/ sources and kernel ABI."""
+    so: str                     # path relative to the pack
+    sha256: str
+    module: str                 # its module name (the PyInit_ symbol it exports)
+    torch: str                  # torch.__version__ it was compiled against
+    python_abi: str             # the interpreter's SOABI tag
+    sources_sha256: str         # host_path.sources_sha256() of the sources it was compiled from
+    abi_version: int            # the kernel libraries' C ABI version it calls
+
+    def to_dict(self) -> dict:
+        return {"so": self.so, "sha256": self.sha256, "module": self.module, "torch": self.torch,
+                "python_abi": self.python_abi, "sources_sha256": self.sources_sha256,
+                "abi_version": self.abi_version}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HostExtension":
+        return cls(_inside_pack(d["so"], "host extension entry"), str(d["sha256"]), str(d["module"]),
+                   str(d["torch"]), str(d["python_abi"]), str(d["sources_sha256"]), int(d["abi_version"]))
 
 
 @dataclass(frozen=True)
@@ -87,6 +116,7 @@ class Manifest:
     toolchain: dict                  # nvcc, cutlass, torch
     plans: tuple[PackPlan, ...]
     build: dict = field(default_factory=dict)   # the options that made it (calibration corpus, sizes)
+    host_extension: HostExtension | None = None  # None: built where the extension could not be compiled
     tool_version: str = __version__
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     schema_version: int = SCHEMA_VERSION
@@ -106,7 +136,8 @@ class Manifest:
                                "num_gdn_layers": self.num_gdn_layers},
                 "calibration": {"file": CALIBRATION, "sha256": self.calibration_sha256},
                 "tp_sizes": list(self.tp_sizes), "tuned": self.tuned, "gpu": self.gpu,
-                "toolchain": self.toolchain, "build": self.build, "plans": [p.to_dict() for p in self.plans]}
+                "toolchain": self.toolchain, "build": self.build, "plans": [p.to_dict() for p in self.plans],
+                "host_extension": None if self.host_extension is None else self.host_extension.to_dict()}
 
     @classmethod
     def from_dict(cls, data, source: str) -> "Manifest":
@@ -126,6 +157,8 @@ class Manifest:
                        tp_sizes=tuple(int(t) for t in data["tp_sizes"]), gpu=gpu,
                        toolchain=dict(data["toolchain"]), plans=tuple(PackPlan.from_dict(p) for p in data["plans"]),
                        build=dict(data.get("build") or {}),
+                       host_extension=(None if data.get("host_extension") is None
+                                       else HostExtension.from_dict(data["host_extension"])),
                        tool_version=data["tool_version"], created=data["created"],
                        schema_version=data["schema_version"])
         except PackError:
@@ -149,13 +182,17 @@ def read_manifest(pack: str | Path) -> Manifest:
 
 
 def check_binaries(pack: str | Path, manifest: Manifest, plans=None) -> None:
-    """Every listed binary (or those of `plans`) exists and matches its recorded sha256."""
-    for p in plans if plans is not None else manifest.plans:
-        path = Path(pack) / p.so
+    """Every listed kernel binary (or those of `plans`) and the host extension exist and match their
+    recorded sha256."""
+    listed = [(p.so, p.so_sha256, f"plan {p.plan.name}") for p in (plans if plans is not None else manifest.plans)]
+    if manifest.host_extension is not None:
+        listed.append((manifest.host_extension.so, manifest.host_extension.sha256, "the C++ host path"))
+    for so, sha, of in listed:
+        path = Path(pack) / so
         if not path.is_file():
-            raise PackError(f"pack {pack} lacks binary {p.so} of plan {p.plan.name}: copy the whole folder")
-        if sha256_file(path) != p.so_sha256:
-            raise PackError(f"pack {pack}: binary {p.so} does not match its recorded sha256 (damaged or replaced)")
+            raise PackError(f"pack {pack} lacks binary {so} of {of}: copy the whole folder")
+        if sha256_file(path) != sha:
+            raise PackError(f"pack {pack}: binary {so} does not match its recorded sha256 (damaged or replaced)")
 
 
 def check_calibration(pack: str | Path, manifest: Manifest) -> Path:

@@ -4,7 +4,9 @@ Per TP degree t the rank's head configuration is (Hqk/t, Hv/t); a GVA model also
 Hqk = Hv form (Hv/t, Hv/t) for callers that repeat q/k first. Without a GPU (or with
 tune=False) the pack keeps the default tiles and says "untuned sm_90a". The pack is staged
 beside its destination and swapped in by rename; an existing pack of the same checkpoint and
-options is reused, one of another checkpoint is rebuilt.
+options is reused, one of another checkpoint is rebuilt. The pack also carries the eager op's C++
+host path, compiled here for this torch and Python (host_path.build_into; no GPU needed), so
+that loading the pack compiles nothing.
 """
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ from pathlib import Path
 
 from . import __version__, cache, environment
 from .model_config import read_model_config
-from .pack import (BINARIES, CALIBRATION, NATIVE, QK_REPEATED, UNTUNED_TARGET, Manifest, PackError, PackPlan,
-                   check_binaries, check_calibration, publish, read_manifest, sha256_file, staging_dir,
-                   write_manifest)
+from .pack import (BINARIES, CALIBRATION, HOST, NATIVE, QK_REPEATED, UNTUNED_TARGET, HostExtension, Manifest,
+                   PackError, PackPlan, check_binaries, check_calibration, publish, read_manifest, sha256_file,
+                   staging_dir, write_manifest)
 from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
 
@@ -92,6 +94,12 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on) -
         return False, f"build options changed ({old.build} -> {options})"
     if want_tuned_on is not None and (not old.tuned or old.gpu.get("name") != want_tuned_on):
         return False, f"pack is {old.target}; tuning for {want_tuned_on} was asked"
+    if old.host_extension is not None:
+        from . import host_path
+
+        why = host_path.mismatch(old.host_extension)
+        if why is not None:
+            return False, f"its C++ host extension does not fit this process ({why})"
     return True, f"up to date ({old.target}, checkpoint {sha[:16]})"
 
 
@@ -109,7 +117,9 @@ def _tuning_record(result) -> dict:
 def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: float | None = None,
                jobs: int | None = None, force: bool = False, corpus=None, seq_len: int | None = None,
                max_sequences: int | None = None, progress: bool = True, compare_anchors: bool = False,
-               log=None) -> BuildReport:
+               log=None, build_host=None) -> BuildReport:
+    """build_host(folder) -> host_path.PrebuiltExtension compiles the C++ host path into the pack
+    (default host_path.build_into; injectable for tests)."""
     from .calibrate.default_model import default_model_path
     from .calibrate.hashing import checkpoint_hash
     from .calibrate.pipeline import calibrate_checkpoint
@@ -179,12 +189,15 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
                     seconds["tune_segments"] = seconds.get("tune_segments", 0.0) + time.perf_counter() - t
             pack_plans.append(PackPlan(h.tp_size, h.form, plan, rel, sha256_file(dest), tuning.get(plan),
                                        segment_tables[plan]))
+        t = time.perf_counter()
+        host = _host_extension(staging, build_host, log)
+        seconds["host"] = time.perf_counter() - t
         gpu_record = ({"name": gpu.name, "arch": gpu.arch, "driver": gpu.driver, "sm_count": gpu.sm_count}
                       if gpu is not None else {"target": UNTUNED_TARGET, "name": None, "arch": "sm_90a"})
         manifest = Manifest(spec=model.spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
                             calibration_sha256=sha256_file(staging / CALIBRATION),
                             num_gdn_layers=model.num_gdn_layers, tp_sizes=tp_sizes, gpu=gpu_record,
-                            toolchain=toolchain(), plans=tuple(pack_plans), build=options)
+                            toolchain=toolchain(), plans=tuple(pack_plans), build=options, host_extension=host)
         for path in staging.rglob("*"):      # a pack is shared between users and machines
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         write_manifest(staging, manifest)     # last: its presence marks a finished pack
@@ -196,12 +209,28 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     return BuildReport(out, manifest, False, why, seconds)
 
 
+def _host_extension(staging: Path, build_host, log) -> HostExtension | None:
+    """The C++ host path compiled into staging/host/, as the manifest records it; None (with a line in
+    the log) where this machine cannot compile it: the pack's eager calls then take the Python path."""
+    if build_host is None:
+        from .host_path import build_into as build_host
+    try:
+        built = build_host(staging / HOST)
+    except Exception as exc:  # no C++ compiler or no Python headers: the pack still works, on the Python path
+        log(f"build: the C++ host path could not be compiled ({type(exc).__name__}: {exc}); the pack's eager "
+            f"calls will take the Python host path")
+        return None
+    rel = Path(built.path).relative_to(staging).as_posix()
+    return HostExtension(rel, sha256_file(built.path), built.module, built.torch, built.python_abi,
+                         built.sources_sha256, built.abi_version)
+
+
 def cp_segment_table(cal, plan: KernelPlan, gpu) -> tuple[int, ...]:
     """The CP split a plan applies with this calibration: the cost model on the profile pooled
     over every layer and head (DESIGN.md: the plan decides the splits from the calibration), for
     this GPU's SMs, or an H200's 132 for an untuned pack."""
-    from .cp_plan import WarmupProfile
-    from .warmup import profile_segment_lengths
+    from .cp_cost_model import WarmupProfile
+    from .warmup_tables import profile_segment_lengths
 
     sms = gpu.sm_count if gpu is not None else 132
     return tuple(profile_segment_lengths(WarmupProfile.from_calibration(cal), plan, sms))
@@ -212,9 +241,9 @@ def tune_segments(cal, plan: KernelPlan, model_lengths: tuple[int, ...], log, ti
     model-wide warm-up table of the plan's first v-heads (rank 0 of its tensor-parallel degree)
     and the calibration's eps; time_fn defaults to the GPU's. Candidates stay longer than the
     longest window of any layer and head, as the cost model's do. Returns (table, manifest record)."""
-    from .cp_plan import WarmupProfile
+    from .cp_cost_model import WarmupProfile
     from .tune.segments import gpu_time_fn, tune_segment_table
-    from .warmup import describe_splits
+    from .warmup_tables import describe_splits
 
     warmup = tuple(cal.model_table()[:plan.spec.num_v_heads])
     eps = float(cal.settings.eps)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from . import environment, host_path, loader, ops, runtime, warmup as warmup_tables
+from . import environment, host_path, loader, ops, runtime, warmup_tables
 from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration, read_manifest
 from .plan import KernelPlan, kernel_spec
 
@@ -76,6 +76,7 @@ class PackOps:
         self._table_values.update((i, tuple(t.tolist())) for i, t in enumerate(self._layer_tables))
         self.warmup_eps = float(calibration.settings.eps)  # the guard's bound is the calibration's
         self._host_tag = f"pack #{next(_PACK_TAGS)}"  # this object's calls' key part (ids can be reused)
+        self._bound_calls: dict[tuple, ops.BoundCall] = {}  # by (layer, heads, head dims, dtype, state layout)
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +103,29 @@ class PackOps:
         raise ops.UnsupportedError(f"pack {self.pack} (rank {self.tp_rank} of {self.tp_size}) has no kernel for "
                                    f"this call's {_describe(want)}; it has: {'; '.join(self.configurations())}")
 
+    def bound_call(self, q, v, state_v_first: bool, layer: int | None = None) -> ops.BoundCall:
+        """The pack's binding for a call's heads and GDN layer (after ops.check_inputs): its plan for
+        the heads, the layer's warm-up table (the rank's slice) and the calibration's eps. Built once
+        per signature in eager calls; raises where the pack has no kernel or table for the call."""
+        signature = None
+        if (layer is None or type(layer) is int) and not torch.compiler.is_compiling():
+            signature = (layer, q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype, bool(state_v_first))
+            bound = self._bound_calls.get(signature)
+            if bound is not None:
+                return bound
+        Hv = v.shape[2]
+        table = self.warmup_table(layer)
+        if table.numel() != Hv:
+            raise ValueError(f"call has Hv={Hv} v-heads but rank {self.tp_rank} of {self.tp_size} holds "
+                             f"{table.numel()} (v-heads {self.v_heads.start}..{self.v_heads.stop - 1} of the model's "
+                             f"{self.manifest.spec.num_v_heads})")
+        plan = self.plan_for(q, v, state_v_first)
+        bound = ops.BoundCall(ops.call_spec(q, v, state_v_first), self.registered[plan.name],
+                              warmup_tables.normalise(table, Hv), self.warmup_eps)
+        if signature is not None:
+            self._bound_calls[signature] = bound
+        return bound
+
     def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
                                cu_seqlens_cpu=None, layer: int | None = None):
@@ -113,20 +137,10 @@ class PackOps:
                                  use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
         if fast is not None:
             return fast
-        Hv = ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
-        table = self.warmup_table(layer)
-        if table.numel() != Hv:
-            raise ValueError(f"call has Hv={Hv} v-heads but rank {self.tp_rank} of {self.tp_size} holds "
-                             f"{table.numel()} (v-heads {self.v_heads.start}..{self.v_heads.stop - 1} of the model's "
-                             f"{self.manifest.spec.num_v_heads})")
-        plan = self.plan_for(q, v, state_v_first)
-        checked = list(warmup_tables.normalise(table, Hv))
-        result = ops.run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                                 state_v_first, cu_seqlens, plan_name=self.registered[plan.name], warmup=checked,
-                                 warmup_eps=self.warmup_eps,
-                                 longest_tokens=ops.longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
-        ops.remember_host_context(key, self.registered[plan.name], q, v, state_v_first, checked, self.warmup_eps)
-        return result
+        ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)
+        bound = self.bound_call(q, v, state_v_first, layer)
+        return bound(key, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     cu_seqlens, cu_seqlens_cpu)
 
     def __repr__(self) -> str:
         return (f"PackOps({self.pack}, rank {self.tp_rank}/{self.tp_size}, {self.manifest.target}, "
@@ -136,8 +150,8 @@ class PackOps:
 def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=loader.open_library) -> PackOps:
     """Open a pack for one rank. gpu defaults to this machine's (environment.gpu_info());
     open_library is the ctypes opener (injectable for tests)."""
-    from .calibrate.artifact import load_calibration
-    from .calibrate.errors import CalibrationError
+    from .calibration_artifact import load_calibration
+    from .calibration_settings import CalibrationError
 
     pack = Path(pack)
     manifest = read_manifest(pack)
@@ -168,6 +182,9 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
             raise PackError(f"pack {pack}: {exc}") from exc
         libraries[p.plan.name] = lib
         registered[p.plan.name] = runtime.register_library(p.plan, lib, _registered_name(p), p.segment_chunks)
+    # the eager op's C++ host path: the pack's prebuilt extension where it fits this torch and Python,
+    # else one warning and the Python path for this pack's calls (nothing is compiled for them)
+    host_path.use_pack_extension(pack, manifest.host_extension, [pack / p.so for p in plans])
     return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries, registered)
 
 

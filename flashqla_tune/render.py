@@ -6,7 +6,6 @@ only when its text changed, so ninja stays idle on a rerun.
 """
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 import jinja2
 
 from .abi import ABI_VERSION  # one number for the template, the loader and the cache key
+from .package_data import csrc_dir, templates_dir  # also read from here by the tuner's study key and tests
 from .plan import KernelPlan
 
 TEMPLATE_NAME = "gdn_fwd.cu.j2"
@@ -25,31 +25,6 @@ _ELEMENT_TYPES = {"bfloat16": "cutlass::bfloat16_t", "float16": "cutlass::half_t
 
 class RenderError(ValueError):
     """A template is missing, uses an undefined variable, or does not render."""
-
-
-def _package_dir(package: str, source_name: str) -> Path:
-    # A regular install has the data as a package; an editable install of a data folder with
-    # no __init__.py may not resolve, so fall back to the source tree beside flashqla_tune/.
-    try:
-        path = Path(str(importlib.resources.files(package)))
-        if path.is_dir():
-            return path
-    except ModuleNotFoundError:
-        pass
-    path = Path(__file__).resolve().parent.parent / source_name
-    if path.is_dir():
-        return path
-    raise RenderError(f"cannot find the {package} package data (looked for {path})")
-
-
-def templates_dir() -> Path:
-    """The folder of the shipped Jinja templates (package data flashqla_tune.templates)."""
-    return _package_dir("flashqla_tune.templates", "templates")
-
-
-def csrc_dir() -> Path:
-    """The folder of the shipped csrc/ headers (package data flashqla_tune.csrc)."""
-    return _package_dir("flashqla_tune.csrc", "csrc")
 
 
 # The template embeds plan_json in a raw string literal R"fqtjson(...)fqtjson": the JSON goes in

@@ -8,11 +8,10 @@ from safetensors.torch import load_file, save_file
 
 from fixtures.calibrate_tiny import KNOWN_N_H, make_fla, make_qwen3_next, make_qwen35, write_corpus
 from flashqla_tune.calibrate.adapters import adapter_class
-from flashqla_tune.calibrate.errors import CalibrationError
 from flashqla_tune.calibrate.pipeline import calibrate_checkpoint
 from flashqla_tune.calibrate.runner import run_layer_by_layer
-from flashqla_tune.calibrate.settings import CalibrationSettings
 from flashqla_tune.calibrate.weights import WeightIndex
+from flashqla_tune.calibration_settings import CalibrationError, CalibrationSettings
 from flashqla_tune.model_config import read_model_config
 
 MAKERS = {"qwen3_5": make_qwen35, "qwen3_next": make_qwen3_next, "fla": make_fla}

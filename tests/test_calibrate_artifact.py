@@ -5,12 +5,11 @@ import os
 import pytest
 import torch
 
-from flashqla_tune.calibrate import atomic
-from flashqla_tune.calibrate.artifact import Calibration, load_calibration, save_calibration
-from flashqla_tune.calibrate.errors import CalibrationError
+from flashqla_tune import files
 from flashqla_tune.calibrate.hashing import HashCache, checkpoint_hash, corpus_hash
-from flashqla_tune.calibrate.settings import CalibrationSettings
 from flashqla_tune.calibrate.statistics import calibrate_gates
+from flashqla_tune.calibration_artifact import Calibration, load_calibration, save_calibration
+from flashqla_tune.calibration_settings import CalibrationError, CalibrationSettings
 
 
 def make_calibration(sha="ab" * 32):
@@ -73,7 +72,7 @@ def test_atomic_write_keeps_old_content_on_failure(tmp_path, monkeypatch):
     def boom(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(atomic.os, "replace", boom)
+    monkeypatch.setattr(files.os, "replace", boom)
     with pytest.raises(OSError):
         save_calibration(make_calibration(), target)
     assert target.read_text() == "old"

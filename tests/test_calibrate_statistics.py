@@ -5,10 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from flashqla_tune.calibrate.errors import CalibrationError
-from flashqla_tune.calibrate.settings import CalibrationSettings
-from flashqla_tune.calibrate.statistics import (EXACT, WARMUP, GateAccumulator, calibrate_gates,
-                                                chunk_log_decay, window_above_fraction)
+from flashqla_tune.calibrate.statistics import GateAccumulator, calibrate_gates, chunk_log_decay, window_above_fraction
+from flashqla_tune.calibration_artifact import EXACT, WARMUP
+from flashqla_tune.calibration_settings import CalibrationError, CalibrationSettings
 
 LOG_EPS = math.log(1e-5)
 C = 64

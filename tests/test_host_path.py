@@ -9,6 +9,7 @@ import random
 import shutil
 import subprocess
 import threading
+import types
 import warnings
 
 import pytest
@@ -16,11 +17,11 @@ import torch
 
 from gdn_inputs import off_16_byte_boundary
 
-from flashqla_tune import abi, environment, host_path, warmup as warmup_tables
+from flashqla_tune import abi, environment, host_path, warmup_tables
 from flashqla_tune.plan import default_plan
-from flashqla_tune.render import csrc_dir
+from flashqla_tune.package_data import csrc_dir
 from flashqla_tune.spec import GDNSpec
-from flashqla_tune.warmup import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS, SegmentBound, WarmupTables
+from flashqla_tune.warmup_tables import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS, SegmentBound, WarmupTables
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 
@@ -222,10 +223,9 @@ class LibraryDouble:
         return address(self.lib, symbol)
 
 
-def test_remember_starts_the_build_and_keeps_a_context_once_it_is_loaded(ext, double, cache_root, monkeypatch):
+def test_remember_starts_the_build_and_keeps_a_context_once_it_is_loaded(ext, double, cache_root, monkeypatch,
+                                                                         fresh_host_state):
     monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(cache_root))  # the fixture's build: loading it is quick
-    for name, value in (("_extension", None), ("_build_thread", None), ("_unavailable", None), ("_contexts", {})):
-        monkeypatch.setattr(host_path, name, value)
     plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
     key = ("a signature", 1)
     host_path.remember(key, plan, LibraryDouble(double), tables, torch.device("cpu"))
@@ -263,3 +263,120 @@ def test_a_build_lock_left_by_a_dead_process_does_not_hang_the_next_load(ext, ca
     assert not loader.is_alive(), "the load waited on the stale lock"
     assert result["module"].ABI_VERSION == ext.ABI_VERSION and not baton.exists()
     assert any("stale build lock" in w for w in result["warnings"])
+
+
+# --- a kernel pack's prebuilt extension -----------------------------------------------------------
+
+class PackLibraryDouble(LibraryDouble):
+    """LibraryDouble at a path inside a pack folder, as packed_ops.load opens a pack's libraries."""
+
+    def __init__(self, lib, path):
+        super().__init__(lib)
+        self.path = path
+
+
+def compiler_must_not_run(*args, **kwargs):
+    raise AssertionError("torch.utils.cpp_extension.load was called: a pack's op must not compile")
+
+
+@pytest.fixture
+def fresh_host_state(monkeypatch):
+    for name, value in (("_extension", None), ("_build_thread", None), ("_unavailable", None), ("_contexts", {}),
+                        ("_pack_libraries", set())):
+        monkeypatch.setattr(host_path, name, value)
+    monkeypatch.delenv(host_path.ENV_SWITCH, raising=False)
+
+
+@pytest.fixture
+def prebuilt_pack(ext, cache_root, tmp_path, monkeypatch):
+    """A pack folder holding the extension as `flashqla-tune build` puts it there (host/<module>.so),
+    the manifest's record of it, and a kernel library path inside the pack."""
+    monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(cache_root))  # the fixture's build: copying it is quick
+    pack = tmp_path / "pack"
+    built = host_path.build_into(pack / "host")
+    record = types.SimpleNamespace(so=built.path.relative_to(pack).as_posix(), module=built.module,
+                                   torch=built.torch, python_abi=built.python_abi,
+                                   sources_sha256=built.sources_sha256, abi_version=built.abi_version)
+    (pack / "binaries").mkdir()
+    library = pack / "binaries" / "plan.so"
+    library.write_bytes(b"a kernel library stands here")
+    return pack, record, library
+
+
+def test_build_into_records_what_the_extension_was_built_for(prebuilt_pack):
+    pack, record, _ = prebuilt_pack
+    so = pack / record.so
+    assert so.is_file() and so.parent.name == "host" and so.name == f"{record.module}.so"
+    assert record.module == host_path.module_name() and record.torch == torch.__version__
+    assert record.python_abi == host_path.python_abi() and record.abi_version == abi.ABI_VERSION
+    assert record.sources_sha256 == host_path.sources_sha256()
+    assert host_path.mismatch(record) is None
+    names = {p.name for p in host_path.source_files()}
+    assert {host_path.SOURCE_NAME, "gdn_abi.h"} <= names  # the headers it includes count too
+
+
+def test_a_packs_op_uses_the_prebuilt_extension_without_the_compiler(prebuilt_pack, double, fresh_host_state,
+                                                                     monkeypatch):
+    from torch.utils import cpp_extension
+
+    pack, record, library = prebuilt_pack
+    monkeypatch.setattr(cpp_extension, "load", compiler_must_not_run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a usable prebuilt extension loads without a word
+        assert host_path.use_pack_extension(pack, record, [library])
+    plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
+    key = ("a pack signature", HV, torch.bfloat16, -1)  # [3]: the device index forward reads
+    host_path.remember(key, plan, PackLibraryDouble(double, library), tables, torch.device("cpu"))
+    assert host_path.known(key) and host_path._build_thread is None  # kept at once: nothing to build
+    assert host_path.extension().ABI_VERSION == abi.ABI_VERSION
+    before = host_path.taken
+    q, k, v, g, beta = inputs(1, 3000)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0x55, raising=False)
+    o, final = host_path.forward(key, q, k, v, g, beta, None, None, True, False, torch.tensor([0, 3000]), None)
+    a = double.double_last().contents
+    assert host_path.taken == before + 1 and o.shape == v.shape and final.shape == (1, HV, D, D)
+    assert a.warmup == tables.warmup.data_ptr() and a.max_segments > 1
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("torch", "1.0.0", "built for torch 1.0.0, this process runs torch"),
+    ("python_abi", "cpython-39-x86_64-linux-gnu", "built for Python ABI cpython-39-x86_64-linux-gnu"),
+    ("sources_sha256", "0" * 64, "other csrc/ sources"),
+    ("abi_version", abi.ABI_VERSION + 1, f"speaks kernel ABI {abi.ABI_VERSION + 1}"),
+])
+def test_a_mismatched_prebuilt_extension_falls_back_to_python_with_one_warning(prebuilt_pack, double,
+                                                                                fresh_host_state, monkeypatch,
+                                                                                field, value, named):
+    from torch.utils import cpp_extension
+
+    pack, record, library = prebuilt_pack
+    setattr(record, field, value)
+    monkeypatch.setattr(cpp_extension, "load", compiler_must_not_run)
+    with pytest.warns(RuntimeWarning) as seen:
+        assert not host_path.use_pack_extension(pack, record, [library])
+    assert len(seen) == 1 and named in str(seen[0].message) and "Python host path" in str(seen[0].message)
+    plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the calls say nothing more
+        for _ in range(2):
+            host_path.remember(("sig", 1), plan, PackLibraryDouble(double, library), tables, torch.device("cpu"))
+    assert not host_path.known(("sig", 1)) and host_path._build_thread is None and host_path._extension is None
+
+
+def test_a_pack_without_a_prebuilt_extension_says_so_and_builds_nothing(tmp_path, double, fresh_host_state):
+    library = tmp_path / "binaries" / "plan.so"
+    with pytest.warns(RuntimeWarning, match="carries no prebuilt C\\+\\+ host extension"):
+        assert not host_path.use_pack_extension(tmp_path, None, [library])
+    plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
+    host_path.remember(("sig", 2), plan, PackLibraryDouble(double, library), tables, torch.device("cpu"))
+    assert host_path._build_thread is None
+
+
+def test_switched_off_the_pack_extension_is_neither_loaded_nor_warned_about(prebuilt_pack, fresh_host_state,
+                                                                            monkeypatch):
+    pack, record, library = prebuilt_pack
+    monkeypatch.setenv(host_path.ENV_SWITCH, "python")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not host_path.use_pack_extension(pack, None, [library])
+    assert host_path._extension is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -11,10 +12,12 @@ import pytest
 import torch
 
 import flashqla_tune
-from flashqla_tune import ops
+from flashqla_tune import host_path, ops
+from flashqla_tune.abi import ABI_VERSION
 from flashqla_tune.environment import GPUInfo
-from flashqla_tune.pack import PackError, publish, read_manifest, staging_dir
-from flashqla_tune.pack_build import _reuse_reason, parse_tp, plan_heads
+from flashqla_tune.files import sha256_file
+from flashqla_tune.pack import HostExtension, Manifest, PackError, check_binaries, publish, read_manifest, staging_dir
+from flashqla_tune.pack_build import _host_extension, _reuse_reason, parse_tp, plan_heads
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pack_doubles import H200, MODEL_SPEC, SHA, FakeLibraryOpener, edit_manifest, make_pack  # noqa: E402
@@ -225,3 +228,75 @@ def test_a_packs_segment_table_reaches_the_op_under_a_qualified_name(tmp_path, m
     edit_manifest(bad, lambda d: d["plans"][0].update(segment_chunks=[4, -1]))
     with pytest.raises(PackError, match="segment_chunks: a segment table has 32 non-negative ints"):
         _load(bad)
+
+
+def _with_host_extension(pack, **changes):
+    """Give a pack double a host/ binary and its manifest record (FakeBinary bytes: nothing imports it
+    in these tests), as `flashqla-tune build` writes them."""
+    so = pack / "host" / "flashqla_tune_host_0123456789abcdef.so"
+    so.parent.mkdir()
+    so.write_bytes(b"FakeBinary host extension")
+    record = {"so": "host/" + so.name, "sha256": sha256_file(so), "module": so.stem, "torch": torch.__version__,
+              "python_abi": host_path.python_abi(), "sources_sha256": host_path.sources_sha256(),
+              "abi_version": ABI_VERSION, **changes}
+    edit_manifest(pack, lambda d: d.update(host_extension=record))
+    return so, record
+
+
+def test_the_manifest_records_the_host_extension_and_checks_its_binary(tmp_path):
+    old = make_pack(tmp_path / "old")
+    assert read_manifest(old).host_extension is None  # a pack made without one reads as such
+    pack = make_pack(tmp_path / "p")
+    so, record = _with_host_extension(pack)
+    m = read_manifest(pack)
+    assert m.host_extension == HostExtension(**record)
+    assert Manifest.from_dict(m.to_dict(), "round trip") == m
+    check_binaries(pack, m, [])  # the host binary is checked even when no plan is asked for
+    so.write_bytes(b"tampered")
+    with pytest.raises(PackError, match=f"host/{so.name} does not match its recorded sha256"):
+        check_binaries(pack, m, [])
+    so.unlink()
+    with pytest.raises(PackError, match=f"lacks binary host/{so.name} of the C\\+\\+ host path"):
+        check_binaries(pack, m, [])
+    edit_manifest(pack, lambda d: d["host_extension"].update(so="../elsewhere.so"))
+    with pytest.raises(PackError, match="host extension entry names binary '../elsewhere.so'"):
+        read_manifest(pack)
+
+
+def test_reuse_needs_a_host_extension_that_fits_this_process(tmp_path):
+    pack = make_pack(tmp_path / "p")
+    _with_host_extension(pack)
+    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[0]
+    pack = make_pack(tmp_path / "q")
+    _with_host_extension(pack, torch="1.0.0")
+    reuse, why = _reuse_reason(pack, SHA, (1, 2), {}, None)
+    assert not reuse and "C++ host extension does not fit" in why and "torch 1.0.0" in why
+
+
+def test_the_build_records_the_host_extension_or_says_why_there_is_none(tmp_path):
+    def builder(folder):
+        folder.mkdir(parents=True)
+        (folder / "m.so").write_bytes(b"FakeBinary host extension")
+        return host_path.PrebuiltExtension(folder / "m.so", "m", "9.9", "cpython-x", "ab" * 32, 4)
+
+    lines = []
+    record = _host_extension(tmp_path, builder, lines.append)
+    assert (record.so, record.module, record.torch, record.python_abi, record.abi_version) == (
+        "host/m.so", "m", "9.9", "cpython-x", 4)
+    assert record.sha256 == hashlib.sha256(b"FakeBinary host extension").hexdigest() and not lines
+
+    def no_compiler(folder):
+        raise OSError("no C++ compiler")
+
+    assert _host_extension(tmp_path / "other", no_compiler, lines.append) is None
+    assert len(lines) == 1 and "no C++ compiler" in lines[0] and "Python host path" in lines[0]
+
+
+def test_loading_a_pack_hands_its_host_extension_to_the_host_path(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(host_path, "use_pack_extension",
+                        lambda pack, record, paths: seen.append((pack, record, sorted(Path(p).name for p in paths))))
+    pack = make_pack(tmp_path / "p")
+    _, record = _with_host_extension(pack)
+    o = _load(pack)
+    assert seen == [(pack, HostExtension(**record), sorted(Path(p.so).name for p in o.plans))]

@@ -1,6 +1,7 @@
 """`flashqla-tune build --no-tune` end to end on the embedded default model (CPU, nvcc): calibrate,
-compile four plans (TP 1 and 2, each with the q/k-repeated form), write the pack, reuse it when
-nothing changed, rebuild it for a changed checkpoint, and load it with the real ctypes opener."""
+compile four plans (TP 1 and 2, each with the q/k-repeated form) and the C++ host path, write the
+pack, reuse it when nothing changed, rebuild it for a changed checkpoint, and load it with the real
+ctypes opener."""
 from __future__ import annotations
 
 import json
@@ -38,8 +39,12 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert sorted((p.tp_size, p.form, p.heads) for p in m.plans) == [
         (1, "native", (2, 8)), (1, "qk_repeated", (8, 8)), (2, "native", (1, 4)), (2, "qk_repeated", (4, 4))]
     assert all((pack / p.so).is_file() and p.tuning is None for p in m.plans)
+    # the eager op's C++ host path, compiled into the pack for this torch and Python
+    from flashqla_tune import host_path
+    assert m.host_extension is not None and (pack / m.host_extension.so).is_file()
+    assert host_path.mismatch(m.host_extension) is None and f"C++ host path: {m.host_extension.so}" in out
     # every plan carries the CP split it applies with this calibration (an H200's SMs: untuned)
-    from flashqla_tune.calibrate.artifact import load_calibration
+    from flashqla_tune.calibration_artifact import load_calibration
     from flashqla_tune.pack_build import cp_segment_table
     cal_obj = load_calibration(pack / "calibration.json")
     assert all(p.segment_chunks == cp_segment_table(cal_obj, p.plan, None) and len(p.segment_chunks) == 32

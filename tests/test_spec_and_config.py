@@ -46,7 +46,7 @@ def test_spec_name_and_round_trip():
     (TileParams(stages=4), "stages=4"),
     (TileParams(producer_regs=30), "producer_regs=30 must be a multiple of 8"),
     (TileParams(consumer_regs=264), "consumer_regs=264 must be a multiple of 8 in \\[24, 248\\]"),
-    # ptxas caps a kernel at 255 registers; r256x256 faulted on the H200 (illegal instruction)
+    # ptxas caps a kernel at 255 registers; a 256-register setmaxnreg is an illegal instruction
     (TileParams(producer_regs=256, consumer_regs=256), "producer_regs=256 must be a multiple of 8 in \\[24, 248\\]"),
     (TileParams(producer_regs=240, consumer_regs=224), "producer_regs=240 is above consumer_regs=224"),
     (TileParams(block_v=32), "block_v=32 must be 64 or 128"),

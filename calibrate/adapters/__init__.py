@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import CalibrationError
+from ...calibration_settings import CalibrationError
 
 ADAPTERS = {
     "qwen3_next": "qwen3_next:Qwen3NextAdapter",

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...oracle import chunk_gated_delta_rule_chunked
-from ..errors import CalibrationError
+from ...calibration_settings import CalibrationError
 from .base import GDNAdapter
 
 

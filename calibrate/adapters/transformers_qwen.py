@@ -14,7 +14,7 @@ import re
 import torch
 from transformers import AutoConfig
 
-from ..errors import CalibrationError
+from ...calibration_settings import CalibrationError
 from .base import GDNAdapter
 
 # Parameters the model code keeps in fp32 whatever the compute dtype: exp() of a rounded A_log

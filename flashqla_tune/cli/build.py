@@ -1,7 +1,7 @@
 """flashqla-tune build CHECKPOINT --out PACK: calibrate, plan, compile, tune and write a kernel pack."""
 from __future__ import annotations
 
-DEFAULT_BUDGET_S = 480.0   # total tuning time when --budget is not given (the H200 target is 15 min)
+DEFAULT_BUDGET_S = 480.0   # total tuning time when --budget is not given (a build's target is 15 min)
 
 
 def add_parser(sub):
@@ -52,12 +52,15 @@ def run(args) -> int:
         print(f"  tp={p.tp_size} {p.form:<11} {p.plan.name}  (block_v={t.block_v} stages={t.stages} "
               f"regs={t.producer_regs}/{t.consumer_regs} ctas/SM={t.ctas_per_sm}{timing})")
     print_context_parallel(m)
+    host = m.host_extension
+    print(f"  C++ host path: {host.so} (torch {host.torch}, {host.python_abi})" if host is not None else
+          "  C++ host path: not compiled here (the pack's eager calls take the Python host path)")
     return 0
 
 
 def print_context_parallel(manifest) -> None:
     """The CP split each plan's segment table (stored in the pack) applies."""
-    from ..warmup import describe_splits
+    from ..warmup_tables import describe_splits
 
     if manifest.tuned:
         source = (f"the cost model on the pooled calibration for {manifest.gpu['name']}'s "

@@ -1,7 +1,7 @@
 """flashqla-tune calibrate [CHECKPOINT]: per-head gate-decay calibration (artifact + report)."""
 from __future__ import annotations
 
-from ..calibrate.settings import DEFAULT_EPS, DEFAULT_MAX_WINDOW, DEFAULT_QUANTILE
+from ..calibration_settings import DEFAULT_EPS, DEFAULT_MAX_WINDOW, DEFAULT_QUANTILE
 
 
 def add_parser(sub):
@@ -24,7 +24,7 @@ def add_parser(sub):
 def run(args) -> int:
     from ..calibrate.pipeline import calibrate_checkpoint
     from ..calibrate.report import summary
-    from ..calibrate.settings import CalibrationSettings
+    from ..calibration_settings import CalibrationSettings
 
     settings = CalibrationSettings(eps=args.eps, max_window=args.max_window, quantile=args.quantile)
     res = calibrate_checkpoint(args.checkpoint, args.corpus, settings, args.out, seq_len=args.seq_len,

@@ -1,19 +1,72 @@
-"""The calibration artifact: a versioned JSON file keyed by checkpoint and corpus hashes.
+"""The calibration artifact: what a calibration is, as stored (a versioned JSON file keyed by
+checkpoint and corpus hashes), and its reading and writing.
 
-Loading fails closed: another checkpoint's artifact, an unknown schema, or a damaged file is
-an error that says which, never a silently reused table.
+A leaf shared by both sides: the calibration pass (calibrate/) makes and saves these records, a
+kernel pack's loader reads them. Loading fails closed: another checkpoint's artifact, an unknown
+schema, or a damaged file is an error that says which, never a silently reused table.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
-from .. import __version__
-from .atomic import atomic_write_text
-from .errors import CalibrationError
-from .settings import CalibrationSettings
-from .statistics import EXACT, QUANTILE_LEVELS, WARMUP, HeadStats, LayerStats
+from . import __version__
+from .calibration_settings import CalibrationError, CalibrationSettings
+from .files import atomic_write_text
+
+WARMUP, EXACT = "warmup", "exact"
+# Quantile levels of the per-chunk summed log-decay stored per head (0 = most decay).
+QUANTILE_LEVELS = (0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 1.0)
+
+
+@dataclass(frozen=True)
+class HeadStats:
+    head: int
+    n_h: int | None                      # None for class "exact"
+    cls: str                             # WARMUP or EXACT
+    chunk_log_decay_quantiles: tuple[float, ...]   # at QUANTILE_LEVELS
+    above_fraction: tuple[float | None, ...]       # n = 1..N; None where no window of n chunks exists
+    zero_decay_fraction: float
+
+    @property
+    def warmup(self) -> int:
+        """The kernel-table value: warm-up chunks, or -1 = chain exactly."""
+        return -1 if self.n_h is None else self.n_h
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    layer: int            # GDN-layer index (0-based over the model's GDN layers)
+    decoder_layer: int    # index among all decoder layers
+    num_tokens: int
+    num_chunks: int
+    heads: tuple[HeadStats, ...] = field(default_factory=tuple)
+
+    @property
+    def warmup_table(self) -> list[int]:
+        return [h.warmup for h in self.heads]
+
+    def summary_line(self, max_window: int) -> str:
+        """One plain-language sentence, e.g. 'layer 3: 6 of 8 heads reach eps within 2 chunks; ...'."""
+        warm = [h.n_h for h in self.heads if h.n_h is not None]
+        exact = len(self.heads) - len(warm)
+        parts = []
+        if warm:
+            spread = f"within {max(warm)} chunk{'s' if max(warm) > 1 else ''}"
+            if min(warm) != max(warm):
+                spread += f" (fastest {min(warm)}, median {int(median(warm))})"
+            parts.append(f"{len(warm)} of {len(self.heads)} heads reach eps {spread}")
+        else:
+            parts.append(f"0 of {len(self.heads)} heads reach eps within {max_window} chunks")
+        if exact:
+            zero = sum(1 for h in self.heads if h.n_h is None and h.zero_decay_fraction > 0.5)
+            note = f"; {zero} of them mostly zero-decay" if zero else ""
+            parts.append(f"{exact} head{'s' if exact > 1 else ''} never decay enough within "
+                         f"{max_window} chunks: exact{note}")
+        return f"layer {self.layer}: " + "; ".join(parts)
+
 
 SCHEMA = "flashqla-tune.calibration"
 SCHEMA_VERSION = 1
@@ -136,3 +189,7 @@ def load_calibration(path: str | Path, checkpoint_sha256: str | None = None) -> 
             f"{path} was calibrated for checkpoint {cal.checkpoint_sha256[:16]} ({cal.checkpoint_path}), "
             f"not for this checkpoint {checkpoint_sha256[:16]}: recalibrate")
     return cal
+
+
+__all__ = ["ARTIFACT_NAME", "Calibration", "EXACT", "HeadStats", "LayerStats", "QUANTILE_LEVELS", "SCHEMA",
+           "SCHEMA_VERSION", "WARMUP", "load_calibration", "save_calibration"]

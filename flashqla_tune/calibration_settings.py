@@ -1,10 +1,13 @@
-"""The knobs that decide a calibration's answer; they are stored in the artifact with it."""
+"""The knobs that decide a calibration's answer (stored in the artifact with it), their defaults,
+and the one exception type for everything the calibration refuses.
+
+A leaf shared by both sides: the calibration pass (calibrate/) and the runtime, whose guard
+bound defaults to the calibration's eps (warm-up tables passed without a calibration).
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-
-from .errors import CalibrationError
 
 DEFAULT_EPS = 1e-5
 DEFAULT_MAX_WINDOW = 16
@@ -12,6 +15,10 @@ DEFAULT_QUANTILE = 0.999
 DEFAULT_CHUNK = 64
 # A token with |g| at or below this forgets nothing measurable (decay factor >= 0.9999).
 DEFAULT_ZERO_DECAY_TOL = 1e-4
+
+
+class CalibrationError(ValueError):
+    """A bad checkpoint, corpus, setting or artifact; the message names what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -45,3 +52,7 @@ class CalibrationSettings:
     def from_dict(cls, data: dict) -> "CalibrationSettings":
         return cls(eps=float(data["eps"]), max_window=int(data["max_window"]), quantile=float(data["quantile"]),
                    chunk_size=int(data["chunk_size"]), zero_decay_tol=float(data["zero_decay_tol"]))
+
+
+__all__ = ["CalibrationError", "CalibrationSettings", "DEFAULT_CHUNK", "DEFAULT_EPS", "DEFAULT_MAX_WINDOW",
+           "DEFAULT_QUANTILE", "DEFAULT_ZERO_DECAY_TOL"]
