@@ -4,9 +4,8 @@ FLA's registry (fla.backends, fla-core >= 0.6) keeps per-op backends sorted by p
 lowest first; FlashQLA's is 3, ours defaults to 2 so the pack is asked first. For each call
 FLA runs `chunk_gated_delta_rule_verifier`; a refusal (with its reason, which FLA logs) sends
 the call on to the next backend or FLA's Triton kernels. FLA calls carry no layer index, so
-the pack runs with its model-wide warm-up table (per head the largest n_h over layers); and
-like every pack call today, the kernels chain the state exactly (see flashqla_tune.packed_ops).
-fla is imported only when registering.
+the pack runs with its model-wide warm-up table (per head the largest n_h over layers), guarded
+like every pack call (see flashqla_tune.packed_ops). fla is imported only when registering.
 """
 from __future__ import annotations
 

@@ -9,18 +9,19 @@ it is CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from . import host_path, runtime, warmup as warmup_tables
+from . import host_path, runtime, warmup_tables
+from .plan import KernelPlan
+from .segment_policy import MAX_SEQUENCES, MAX_TOKENS
 from .spec import GDNSpec
 
 SUPPORTED_QKV_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_GATE_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIM = 128
-MAX_SEQUENCES = 65535          # one grid z-slice per sequence
-MAX_TOKENS = 2**31 - 1         # TMA coordinates are 32-bit
 
 
 class UnsupportedError(ValueError):
@@ -145,8 +146,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     run in parallel (context parallelism); a segment of a warm-up head starts from the state of its
     window run from zero, which is used only where the input's gates decay below warmup_eps over
     the window (and 0 <= beta ||k||^2 <= 2); everywhere else the state is chained exactly. Without
-    it, every head gets the default window (warmup.DEFAULT_WINDOW_CHUNKS), still guarded; all -1
-    is exact chaining. Whether and where a sequence is cut depends only on its own length (the
+    it, every head gets the default window (warmup_tables.DEFAULT_WINDOW_CHUNKS), still guarded;
+    all -1 is exact chaining. Whether and where a sequence is cut depends only on its own length (the
     cost model's table), so short sequences and many-head calls run as one chain each.
 
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten.
@@ -160,12 +161,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if fast is not None:
         return fast
     Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
-    table = list(warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv))
-    result = run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                         state_v_first, cu_seqlens, plan_name="", warmup=table, warmup_eps=warmup_eps,
-                         longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
-    remember_host_context(key, "", q, v, state_v_first, table, warmup_eps)
-    return result
+    table = warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv)
+    bound = BoundCall(call_spec(q, v, state_v_first), "", table, warmup_eps)
+    return bound(key, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 cu_seqlens, cu_seqlens_cpu)
 
 
 def host_key(q, v, state_v_first, warmup, warmup_eps, plan_name: str):
@@ -178,21 +177,61 @@ def host_key(q, v, state_v_first, warmup, warmup_eps, plan_name: str):
     return host_path.signature(q, v, state_v_first, warmup, warmup_eps, plan_name)
 
 
-def remember_host_context(key, plan_name: str, q, v, state_v_first, table, warmup_eps) -> None:
-    """After a call succeeded on the Python path: let the next call of its signature take the C++
-    path (the plan, library and tables are the ones this call used, all cached by now)."""
-    if key is None or host_path.known(key):
-        return
-    plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
-    lengths = runtime.segment_lengths_for(plan_name) if plan_name else None
-    tables = warmup_tables.tables_for(tuple(table), plan, q.device, warmup_eps, lengths)
-    host_path.remember(key, plan, runtime.library(plan), tables, q.device)
+@dataclass(frozen=True)
+class BoundCall:
+    """A call bound to its kernels: what a call signature settles before its tensors are looked at.
+    The op's two entry points check their arguments, build one and call it (this module's
+    chunk_gated_delta_rule from its `warmup` argument, a pack's from its calibration: packed_ops).
+    The plan and the CP segment table are found by name in runtime's registry, so the custom op's
+    implementation, which a traced graph can only hand tensors, scalars, strings and int lists,
+    rebuilds the same binding from the same plan name, table and eps."""
+    spec: GDNSpec                    # the call's heads, head dims, dtype and state layout
+    plan_name: str                   # "" for the spec's default plan, else the name a pack registered
+    warmup: tuple[int, ...] | None   # checked (warmup_tables.normalise); None: one exact chain per sequence
+    warmup_eps: float                # the guard's bound
+
+    @property
+    def plan(self) -> KernelPlan:
+        """The kernels that run the call (runtime caches both lookups)."""
+        return runtime.plan_by_name(self.plan_name) if self.plan_name else runtime.default_plan_for(self.spec)
+
+    @property
+    def segment_lengths(self) -> tuple[int, ...] | None:
+        """A pack's CP segment table; None: the cost model's for the warm-up table."""
+        return runtime.segment_lengths_for(self.plan_name) if self.plan_name else None
+
+    def __call__(self, key, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 cu_seqlens, cu_seqlens_cpu):
+        """The op after check_inputs, on the Python path; afterwards the C++ host path may take the
+        signature's later calls (key: host_key's answer)."""
+        result = run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                             self.spec.state_layout == "vk", cu_seqlens, plan_name=self.plan_name,
+                             warmup=None if self.warmup is None else list(self.warmup), warmup_eps=self.warmup_eps,
+                             longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+        self.remember_host_context(key, q.device)
+        return result
+
+    def forward(self, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm,
+                longest_tokens: int = 0):
+        """Packed inputs (run_checked's) -> (o, final_state) through runtime.forward."""
+        return runtime.forward(self.plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
+                               use_qk_l2norm, warmup=self.warmup, warmup_eps=self.warmup_eps,
+                               segment_lengths=self.segment_lengths, longest_tokens=longest_tokens)
+
+    def remember_host_context(self, key, device: torch.device) -> None:
+        """After a call succeeded on the Python path: let the next call of its signature take the C++
+        path (the plan, library and tables are the ones this call used, all cached by now)."""
+        if key is None or self.warmup is None or host_path.known(key):
+            return
+        plan = self.plan
+        tables = warmup_tables.tables_for(self.warmup, plan, device, self.warmup_eps, self.segment_lengths)
+        host_path.remember(key, plan, runtime.library(plan), tables, device)
 
 
 def longest_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:
     """The longest sequence of a call as the host knows it without a device sync: T for batch
     rows, the largest offset step of cu_seqlens_cpu, else 0 (unknown). It only lets a call whose
-    sequences are all too short to split skip the CP kernels (warmup.call_segments); a split
+    sequences are all too short to split skip the CP kernels (warmup_tables.call_segments); a split
     call's workspace is still sized from T, so a cu_seqlens_cpu that disagrees with cu_seqlens
     costs speed, never memory safety."""
     if cu_seqlens is None:
@@ -208,7 +247,7 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
                 warmup_eps: float = warmup_tables.DEFAULT_EPS, longest_tokens: int = 0):
     """The op after check_inputs: pack the batch as varlen and call the custom op. plan_name ""
     runs the default plan for the call's heads; otherwise a plan registered by a kernel pack.
-    warmup is a checked table (warmup.normalise) or None; longest_tokens is
+    warmup is a checked table (warmup_tables.normalise) or None; longest_tokens is
     longest_sequence_tokens' answer (0: unknown)."""
     B, T, Hqk = q.shape[:3]
     Hv = v.shape[2]
@@ -236,7 +275,7 @@ def needs_custom_op(q: torch.Tensor) -> bool:
     its fake implementation. Eager calls skip the custom op's dispatch (its autograd wrapper and
     dynamo-disable context cost tens of microseconds per call) and run the same implementation
     directly; grad-requiring inputs were refused before, so nothing is lost."""
-    # A plain torch.Tensor is never fake: skip is_fake's 1.5 us on the common eager path.
+    # A plain torch.Tensor is never fake: skip is_fake on the common eager path.
     return torch.compiler.is_compiling() or (type(q) is not torch.Tensor and is_fake(q))
 
 
@@ -245,13 +284,11 @@ def gdn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
                  plan_name: str, warmup: list[int] | None, warmup_eps: float,
                  longest_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # The plan is picked here, not in the Python wrapper, so torch.compile only sees tensors,
-    # scalars, a string and a list of ints.
-    plan = runtime.plan_by_name(plan_name) if plan_name else runtime.default_plan_for(call_spec(q, v, state_v_first))
-    return runtime.forward(plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
-                           use_qk_l2norm, warmup=None if warmup is None else tuple(warmup), warmup_eps=warmup_eps,
-                           segment_lengths=runtime.segment_lengths_for(plan_name) if plan_name else None,
-                           longest_tokens=longest_tokens)
+    # The binding is rebuilt here, not passed from the Python wrapper, so torch.compile only sees
+    # tensors, scalars, a string and a list of ints.
+    bound = BoundCall(call_spec(q, v, state_v_first), plan_name, None if warmup is None else tuple(warmup), warmup_eps)
+    return bound.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm,
+                         longest_tokens)
 
 
 _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())(gdn_fwd_impl)

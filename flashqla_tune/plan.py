@@ -17,7 +17,7 @@ from .spec import GDNSpec, SpecError
 # of which each resident CTA also takes 1 KB for the system; at most 227 KB (232448 B) per CTA.
 REGISTERS_PER_SM = 65536
 # PTX allows setmaxnreg 256, but ptxas caps a kernel at 255 registers, and the split r256x256
-# raised an illegal instruction on the H200 (docs/gpu-logs/2026-11-30-v7-pack-build-illegal-instruction.log).
+# raises an illegal instruction on the H200 (docs/kernel-notes.md).
 MAX_SETMAXNREG = 248
 SHARED_MEMORY_PER_SM = 233472
 SHARED_MEMORY_PER_CTA = 232448
@@ -165,22 +165,14 @@ def kernel_spec(spec: GDNSpec) -> GDNSpec:
 
 
 def default_tiles(spec: GDNSpec) -> TileParams:
-    """The untuned tiles for spec, from the H200 tile sweep (docs/gpu-logs/2026-11-30-v5-tile_sweep.json).
-    Three pipeline stages: 0.2-2% faster than two on eight of the nine rows timed (0.6% slower on
-    2/8 1024x8). Up to three v-heads per q/k head take the 128-thread prep CTA (four CTAs per SM):
-    one head would leave a 256-thread CTA's solve to a quarter of its threads (16/16 1x32768
-    1.263 -> 1.129 ms), and two or three are solved in turn on the tensor cores while the other
-    warp group writes P. Prep times, 256 -> 128 threads (twelfth session,
-    docs/gpu-logs/2026-11-30-v12-prep_variants.json), on 1x32768 / 8192x4 / 1024x8 tokens:
-    16/32 0.336 -> 0.292, 0.462 -> 0.305, 0.120 -> 0.087 ms; 8/24 0.248 -> 0.218, 0.255 -> 0.229,
-    0.066 -> 0.068; with four (8/32) 0.259 -> 0.261, 0.276 -> 0.271, 0.074 -> 0.079: 256 stay. (Those
-    128-thread times are from three CTAs per SM; the fourth, since the fourteenth session, made them
-    2-8% faster again on 16/16, 16/32 and 8/24. With four CTAs per SM, four v-heads at 128 threads
-    were 3-6% faster on the long rows and 8-15% slower on 1024x8 (fifteenth session,
-    docs/gpu-logs/2026-11-30-v15a-prep_variants-four_heads_p128.json): 256 still stay.) Since the
-    twentieth session 256 threads solve the four heads at once on the tensor cores: against 128
-    threads 1-4% slower on 1x32768 and 8192x4, 2-20% faster on 1024x8, 0.83-0.89x the column
-    solve's prep time (docs/gpu-logs/2026-12-01-v20a-prep_variants.json)."""
+    """The untuned tiles for spec (docs/kernel-notes.md gives the measurements behind each choice;
+    docs/results/tile-sweep.json and prep-variants.log hold them). Three pipeline stages: faster
+    than two on all but one row of the H200 sweep. Up to three v-heads per q/k head take the
+    128-thread prep CTA (four CTAs per SM): one head would leave a 256-thread CTA's solve to a
+    quarter of its threads, and two or three are solved in turn on the tensor cores while the other
+    warp group writes P. From four v-heads per q/k head the 256-thread CTA solves up to four heads
+    at once on the tensor cores, which is faster than 128 threads on the short rows and within a
+    few percent on the long ones."""
     return TileParams(stages=3, prep_threads=128 if spec.num_v_heads <= 3 * spec.num_qk_heads else 256)
 
 

@@ -464,7 +464,7 @@ def test_overlapped_schedule_replays_in_a_cuda_graph():
                                                                   True, False))
 
 
-# ---- Warm-up context parallelism (issue 5, docs/cp-design.md) ----
+# ---- Warm-up context parallelism (docs/kernel-notes.md) ----
 # "mixed" gates leave every fourth v-head at g = 0: head 0 claims a 5-chunk window anyway, so the
 # guard has to chain it exactly; head 4 is marked exact.
 MIXED_2_8 = [5, 5, 5, 5, -1, 5, 5, 5]
@@ -492,8 +492,8 @@ CP_CASES = {
 
 def model_segments_of(inp, warmup):
     """How many segments the cost model's table gives the longest sequence (so a test proves it splits)."""
-    from flashqla_tune import warmup as warmup_tables
-    from flashqla_tune.cp_plan import bucket_of_chunks, segments_of
+    from flashqla_tune import warmup_tables
+    from flashqla_tune.segment_policy import bucket_of_chunks, segments_of
     plan = runtime.default_plan_for(ops.call_spec(inp["q"], inp["v"], inp["state_v_first"]))
     lengths = warmup_tables.segment_lengths(tuple(warmup), plan, torch.cuda.get_device_properties(0).multi_processor_count)
     cu = inp["cu_seqlens"].tolist()

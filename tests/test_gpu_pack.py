@@ -1,11 +1,11 @@
-"""Packs on the H200 (issue 6, GPU half): a pack of the shipped model built here with the default
+"""Packs on the H200: a pack of the shipped model built here with the default
 tiles, opened with `flashqla_tune.load`, checked against the float64 oracle for every GDN layer
 and both head forms; then the shipped model's prefill through FLA's backend dispatch onto the pack,
 against the same model on FLA's own kernels.
 
 Bars: the op's o and final state within rel L2 1e-2 of float64 (DESIGN.md's cap; the tighter
 FLA-relative bar is test_gpu_forward.py's); the prefill's logits within rel L2 1e-2 of FLA's own
-kernels, with the same top-1 token at >= 99% of positions (issue 6).
+kernels, with the same top-1 token at >= 99% of positions.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_load_and_first_call_compile_nothing(pack, capsys, monkeypatch):
                                       layer=0)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    with capsys.disabled():  # the time is reported for the docs (issue 6: under one second), not asserted
+    with capsys.disabled():  # the time is reported for docs/results, not asserted
         print(f"\nload + first call: {seconds:.3f} s ({ops!r})")
     assert torch.isfinite(o).all()
 

@@ -151,7 +151,7 @@ def test_prep_schedule_reaches_the_library_and_bad_names_are_refused(recorded):
 def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeypatch):
     """ops.chunk_gated_delta_rule(..., warmup=...) checks the table and passes the kernels its device
     copy, the segment table, the segment bound (which also sizes the workspace) and log(eps)."""
-    from flashqla_tune import warmup as warmup_tables
+    from flashqla_tune import warmup_tables
 
     lib, plan = recorded
     monkeypatch.setattr(warmup_tables, "sm_count", lambda device: 132)
@@ -205,7 +205,7 @@ def test_warmup_table_reaches_the_library_with_a_segment_bound(recorded, monkeyp
 
 def test_a_registered_segment_table_overrides_the_cost_model(recorded, monkeypatch):
     """A pack's plan registered with a segment table: calls under that name split by it."""
-    from flashqla_tune import warmup as warmup_tables
+    from flashqla_tune import warmup_tables
 
     lib, plan = recorded
     monkeypatch.setattr(warmup_tables, "sm_count", lambda device: 132)
@@ -225,3 +225,94 @@ def test_a_registered_segment_table_overrides_the_cost_model(recorded, monkeypat
     assert args.max_segments == warmup_tables.max_segments(override, T, 1) == 4
     with pytest.raises(ValueError, match="a segment table has 32 non-negative ints"):
         runtime.register_library(plan, lib, "bad", (1, 2))
+
+
+def test_the_op_binds_its_table_and_eps_and_the_custom_op_rebinds_them_by_name(recorded, monkeypatch):
+    """ops.chunk_gated_delta_rule checks its arguments into a BoundCall and calls it; the custom op's
+    implementation rebuilds the same binding from the plan name, table and eps it is handed."""
+    lib, plan = recorded
+    bf16 = torch.bfloat16
+    spec = ops.call_spec(torch.empty(1, 1, 2, 128, dtype=bf16), torch.empty(1, 1, 8, 128, dtype=bf16), True)
+    bound = ops.BoundCall(spec, "", (3,) * 8, 1e-4)
+    assert bound.plan == plan and bound.segment_lengths is None
+    seen = []
+    monkeypatch.setattr(ops, "run_checked", lambda *args, **kw: seen.append(kw))
+    T = 64
+    q = torch.randn(1, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, T, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, T, 8)
+    ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, warmup=torch.tensor([3] * 8), warmup_eps=1e-4)
+    assert seen == [dict(plan_name="", warmup=[3] * 8, warmup_eps=1e-4, longest_tokens=T)]
+    monkeypatch.undo()
+
+    name = runtime.register_library(plan, lib, f"{plan.name}@cp-bound", (0,) * 7 + (32,) * 25)
+    named = ops.BoundCall(bound.spec, name, (3,) * 8, 1e-4)
+    assert named.plan == plan and named.segment_lengths == (0,) * 7 + (32,) * 25
+    with pytest.raises(KeyError, match="plan nope is not loaded from any pack"):
+        ops.BoundCall(bound.spec, "nope", None, 1e-4).plan
+
+
+def test_a_packs_call_is_bound_once_per_signature_and_reaches_the_library(recorded, monkeypatch, tmp_path):
+    """A pack's op builds its BoundCall (plan for the heads, the layer's table, the calibration's
+    eps) on the first call of a signature and reuses it; refusals are raised again, never kept."""
+    import sys
+    from pathlib import Path
+
+    import flashqla_tune
+    from flashqla_tune import warmup_tables
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from pack_doubles import make_pack
+
+    lib, _ = recorded
+    monkeypatch.setattr(runtime, "_libraries", {})   # the pack's plans get this test's double
+    monkeypatch.setattr(warmup_tables, "sm_count", lambda device: 132)
+    pack = flashqla_tune.load(make_pack(tmp_path / "p"), gpu=None, open_library=lambda so, plan: lib)
+    T = 8192
+    q = torch.randn(1, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, T, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, T, 8)
+    bound = pack.bound_call(q, v, False, layer=1)
+    assert pack.bound_call(q, v, False, layer=1) is bound
+    assert bound.warmup == tuple(pack.warmup_table(1).tolist()) and bound.warmup_eps == pack.warmup_eps
+    assert bound.plan == pack.plan_for(q, v, False) and bound.plan_name == pack.registered[bound.plan.name]
+    assert pack.bound_call(q, v, False) is not bound   # the model-wide table is another signature
+    pack.chunk_gated_delta_rule(q, q, v, g, g, layer=1)
+    args = lib.calls[-1][0]
+    tables = warmup_tables.tables_for(bound.warmup, bound.plan, q.device, pack.warmup_eps)
+    assert args.warmup == tables.warmup.data_ptr() and args.log_eps == pytest.approx(math.log(pack.warmup_eps))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="layer=7: the pack's model has GDN layers 0..2"):
+            pack.bound_call(q, v, False, layer=7)
+        with pytest.raises(ops.UnsupportedError, match="has no kernel for this call's"):
+            pack.bound_call(q, v, True, layer=1)
+    assert len(pack._bound_calls) == 2
+
+
+def test_torch_compile_traces_the_op_in_one_graph(recorded, monkeypatch):
+    """torch.compile(fullgraph=True) traces the op's Python path (checks, binding, custom op) without
+    a graph break; the compiled call launches the library like an eager one."""
+    from flashqla_tune import warmup_tables
+
+    lib, plan = recorded
+    monkeypatch.setattr(warmup_tables, "sm_count", lambda device: 132)
+    T = 8192
+    q = torch.randn(1, T, 2, 128, dtype=torch.bfloat16)
+    v = torch.randn(1, T, 8, 128, dtype=torch.bfloat16)
+    g = torch.zeros(1, T, 8)
+    cu = torch.tensor([0, T])
+
+    def step(q, k, v, g, beta, cu):
+        o, s = ops.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, state_v_first=True,
+                                          cu_seqlens=cu)
+        return o.float().sum() + s.sum()
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(step, fullgraph=True, backend="eager")(q, q, v, g, g, cu)
+    compiled = lib.calls[-1][0]
+    ops.chunk_gated_delta_rule(q, q, v, g, g, output_final_state=True, state_v_first=True, cu_seqlens=cu)
+    eager = lib.calls[-1][0]
+    assert len(lib.calls) == 2
+    assert (compiled.warmup, compiled.segment_chunks, compiled.max_segments) == \
+        (eager.warmup, eager.segment_chunks, eager.max_segments) and eager.max_segments > 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashqla_tune import warmup as warmup_tables
+from flashqla_tune import warmup_tables
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked
 from flashqla_tune.plan import KernelPlan, default_tiles
 from flashqla_tune.spec import GDNSpec

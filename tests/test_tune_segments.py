@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from flashqla_tune.cp_plan import SEGMENT_BUCKETS
+from flashqla_tune.segment_policy import SEGMENT_BUCKETS
 from flashqla_tune.tune.segments import BATCH, bucket_of, candidates, tune_segment_table
 
 

@@ -9,13 +9,13 @@ import math
 import os
 import secrets
 
-from .. import cache, runtime, warmup as warmup_tables
-from ..bench.accuracy import rel_l2
-from ..bench.cases import SEQLENS, Case, format_seqlens
-from ..bench.inputs import make_inputs, make_rotation
-from ..bench.timing import CudaTimer, rotation_count
+from .. import cache, runtime, warmup_tables
+from ..measure.accuracy import rel_l2
+from ..measure.cases import SEQLENS, Case, format_seqlens
+from ..measure.inputs import make_inputs, make_rotation
+from ..measure.timing import CudaTimer, rotation_count
 from ..build import BuildError
-from ..cp_plan import SEGMENT_BUCKETS
+from ..segment_policy import SEGMENT_BUCKETS
 from ..plan import KernelPlan
 from .isolation import CallTimeouts, isolated
 from .trial import BuildOutcome, CheckResult, Measurement
@@ -163,7 +163,7 @@ class GraphAnchorTimer:
     def time(self, spec) -> dict[str, dict]:
         import torch
 
-        from ..bench.impls import call, load_impls
+        from ..measure.impls import call, load_impls
 
         loaded, skipped = load_impls(self.names)
         out: dict[str, dict] = {name: {"error": why} for name, why in skipped.items()}

@@ -1,5 +1,5 @@
-"""The segment-length stage of tuning (DESIGN.md, "Tuning protocol"; issue 6): the cost model's
-segment table (flashqla_tune/cp_plan.py) refined on the GPU for the length buckets the
+"""The segment-length stage of tuning (DESIGN.md, "Tuning protocol"): the cost model's
+segment table (flashqla_tune/cp_cost_model.py) refined on the GPU for the length buckets the
 scoreboard's sequences fall in.
 
 For each bucket, the plan's forward runs with the pack's warm-up table and each candidate segment
@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from ..cp_plan import bucket_of_chunks, check_segment_table
+from ..cp_cost_model import check_segment_table
+from ..segment_policy import bucket_of_chunks
 
 TUNED_TOKENS = (2048, 8192, 32768)   # the scoreboard's lengths (1x2048, 1x8192, 1x32768)
 BATCH = 4                            # the batched case: BATCH sequences of the bucket's length
@@ -101,9 +102,9 @@ def gpu_time_fn(plan, warmup: tuple[int, ...], eps: float, budget_s: float = 0.2
     import torch
 
     from .. import runtime
-    from ..bench.cases import Case
-    from ..bench.inputs import make_rotation
-    from ..bench.timing import CudaTimer
+    from ..measure.cases import Case
+    from ..measure.inputs import make_rotation
+    from ..measure.timing import CudaTimer
 
     spec = plan.spec
     dtype = torch.bfloat16 if spec.qkv_dtype == "bfloat16" else torch.float16

@@ -1,5 +1,5 @@
 """From a per-v-head warm-up table (the op's `warmup` keyword) to what the kernels read on the
-device: the table itself and the segment-length table of the CP cost model (cp_plan.py).
+device: the table itself and the segment-length table of the CP cost model (cp_cost_model.py).
 
 Both depend only on the table's values, the plan and the GPU, never on the batch, so a
 sequence's segmentation depends only on its own length (batch invariance). They are built once
@@ -15,17 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibrate.settings import DEFAULT_EPS  # the calibration's default eps: the same bound
-from .cp_plan import (SEGMENT_BUCKETS, Machine, WarmupProfile, bucket_of_chunks, check_segment_table, segment_table,
-                      segments_of)
+from .calibration_settings import DEFAULT_EPS  # the calibration's default eps: the same bound
+from .cp_cost_model import Machine, WarmupProfile, check_segment_table, segment_table
 from .plan import KernelPlan
+from .segment_policy import MAX_SEGMENTS, SEGMENT_BUCKETS, bucket_of_chunks, segments_of
 
 MAX_WINDOW_CHUNKS = 1024    # a window is a warm-up over n_h chunks; calibration caps n_h at 16
 # The op's window when the caller gives no table (DESIGN.md): 512 tokens. The guard still decides
 # per boundary and input, so a head whose gates do not decay that fast is chained exactly; the
 # protocol's gates (logsigmoid(randn) / 16) need 4-5 chunks, so 8 covers them with room.
 DEFAULT_WINDOW_CHUNKS = 8
-MAX_SEGMENTS = 65535 // 3   # csrc/gdn_cp.cuh kMaxSegments: the state pass has 3 grid z-slices per segment
 CP_SCRATCH_LIMIT_BYTES = 2 << 30  # fp32 boundary, H and M states of a call; above it the call runs without CP
 
 
@@ -253,6 +252,7 @@ def max_segments(lengths: tuple[int, ...], total_tokens: int, num_seqs: int) -> 
     return SegmentBound.of(tuple(lengths))(total_tokens, num_seqs)
 
 
-__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "DEFAULT_WINDOW_CHUNKS", "default_table", "is_default_table", "MAX_SEGMENTS", "call_segments", "describe_splits",
-           "profile_segment_lengths", "SEGMENT_BUCKETS", "SegmentBound", "segment_state_bytes", "max_segments", "WarmupError", "WarmupTables", "normalise", "segment_lengths",
-           "sm_count", "tables_for"]
+__all__ = ["CP_SCRATCH_LIMIT_BYTES", "DEFAULT_EPS", "DEFAULT_WINDOW_CHUNKS", "MAX_SEGMENTS", "SEGMENT_BUCKETS",
+           "SegmentBound", "WarmupError", "WarmupTables", "call_segments", "default_table", "describe_splits",
+           "is_default_table", "max_segments", "normalise", "profile_segment_lengths", "segment_lengths",
+           "segment_state_bytes", "sm_count", "tables_for"]

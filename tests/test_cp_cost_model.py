@@ -1,11 +1,12 @@
-"""The default context-parallel cost model (flashqla_tune/cp_plan.py): which segment length a
+"""The default context-parallel cost model (flashqla_tune/cp_cost_model.py): which segment length a
 sequence gets, from the calibration's warm-up profile and the machine."""
 from __future__ import annotations
 
 import pytest
 
-from flashqla_tune.cp_plan import (SEGMENT_BUCKETS, CPPlanError, Machine, WarmupProfile, makespan, objective,
-                                   segment_length, segment_table)
+from flashqla_tune.cp_cost_model import (CostModelError, Machine, WarmupProfile, makespan, objective, segment_length,
+                                         segment_table)
+from flashqla_tune.segment_policy import SEGMENT_BUCKETS
 
 H200 = Machine()
 
@@ -32,7 +33,7 @@ def test_exact_heads_cost_more_but_still_pay_on_few_chains():
 
 
 def test_the_model_keeps_to_what_the_h200_measured():
-    """docs/kernel-notes.md, CP v1 profile (2/8: 16 chains, 2 q/k heads): splitting 1024- and
+    """docs/kernel-notes.md, the CP profile (2/8: 16 chains, 2 q/k heads): splitting 1024- and
     2048-token sequences was 1.2-7x slower than one chain; 32k tokens gained 1.6-1.8x."""
     exact = WarmupProfile(exact_share=1.0, mean_window=0.0, max_window=0)
     warm = WarmupProfile(exact_share=0.25, mean_window=4.7, max_window=5)
@@ -43,7 +44,7 @@ def test_the_model_keeps_to_what_the_h200_measured():
 
 
 def test_a_split_into_more_ctas_than_slots_pays_a_wave_tail():
-    """The v11 scoreboard (docs/kernel-notes.md, eleventh session), lone 8192-token rows with the
+    """The H200 scoreboard (docs/kernel-notes.md, the wave tail), lone 8192-token rows with the
     protocol's calibration (a quarter of the heads exact, windows of 4-5 chunks): split into 32-chunk
     segments, 16/16 (32 chains, 128 CTAs: one wave) ran 0.76 of one chain, 8/32 (64 chains, 256 CTAs)
     0.96. The wave tail keeps the first split and declines the second; 32k tokens still split."""
@@ -59,7 +60,7 @@ def test_a_split_into_more_ctas_than_slots_pays_a_wave_tail():
 
 def test_the_batch_hedge_gives_up_splits_that_multiply_the_work():
     """Exact heads multiply the work of a split (state pass, transition, chain): worth it for a
-    lone sequence of 32k tokens (cp3 profile, 4/16 1x32768: L128 0.698 ms vs one chain 0.900), not
+    lone sequence of 32k tokens (the CP profile, 4/16 1x32768: L128 0.698 ms vs one chain 0.900), not
     for 8k tokens, where other sequences of a batch fill the GPU, so the hedged objective declines
     what the lone makespan alone would take; warm-up heads, which add only their windows, split."""
     exact = WarmupProfile(exact_share=1.0, mean_window=0.0, max_window=0)
@@ -105,7 +106,7 @@ def test_profile_from_tables_and_calibration_shape():
     (lambda: segment_length(64, 0, WarmupProfile(0.0, 1.0, 1), H200), "chains=0 and qk_heads=1 must be >= 1"),
 ])
 def test_bad_inputs_name_the_value(make, message):
-    with pytest.raises(CPPlanError, match=message):
+    with pytest.raises(CostModelError, match=message):
         make()
 
 
@@ -121,7 +122,7 @@ def test_profile_from_a_calibration_pools_layers_and_heads():
 
 
 def test_bucket_and_segment_count_follow_the_kernels_rule():
-    from flashqla_tune.cp_plan import bucket_of_chunks, segments_of
+    from flashqla_tune.segment_policy import bucket_of_chunks, segments_of
 
     assert [bucket_of_chunks(c) for c in (0, 1, 2, 3, 4, 5, 128, 129)] == [0, 0, 1, 2, 2, 3, 7, 8]
     assert bucket_of_chunks(2 ** 40) == SEGMENT_BUCKETS - 1

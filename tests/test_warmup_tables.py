@@ -1,5 +1,5 @@
 """The op's `warmup` table on the host: checks, the segment table the kernels read, and the bound
-on a call's segments that sizes the workspace (flashqla_tune/warmup.py)."""
+on a call's segments that sizes the workspace (flashqla_tune/warmup_tables.py)."""
 from __future__ import annotations
 
 import math
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from flashqla_tune import warmup as W
-from flashqla_tune.cp_plan import Machine, WarmupProfile, segment_table
+from flashqla_tune import warmup_tables as W
+from flashqla_tune.cp_cost_model import Machine, WarmupProfile, segment_table
 from flashqla_tune.plan import default_plan
 from flashqla_tune.spec import GDNSpec
 

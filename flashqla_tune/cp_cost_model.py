@@ -1,4 +1,4 @@
-"""Context-parallel segment lengths: the default cost model (issue 5, docs/cp-design.md).
+"""Context-parallel segment lengths: the default cost model (docs/cp-design.md).
 
 A long sequence with few heads leaves most SMs idle: one CTA per (v-tile, v-head) walks all its
 chunks. Cutting the sequence into S segments of L chunks runs more CTAs at once:
@@ -7,7 +7,7 @@ chunks. Cutting the sequence into S segments of L chunks runs more CTAs at once:
 - an exact head (n_h = -1) chains exactly: a state-only pass per segment gives its zero-state end
   state H and its transition M (2 L), a chain walks the boundaries (S_{s+1} = M_s S_s + H_s, one
   128^3 fp32 product each), then the forward runs each segment from its chained state (L).
-The model, in chunk-steps (the time one chain needs per chunk, about 1.45 us on the H200):
+The model, in chunk-steps (the time one chain needs per chunk; docs/kernel-notes.md has the H200's):
 
     depth      = the longest dependent path: L + n_max (warm-up); L + S chain steps + L (exact)
     work       = sum over CTAs of (chunk-steps walked + start cost)
@@ -20,9 +20,9 @@ Batch invariance (DESIGN.md) forbids looking at the rest of the batch, yet a spl
 idle GPU for a lone sequence multiplies the work (3x for exact heads) when other sequences
 already fill it. The choice therefore minimises the lone makespan times work_inflation **
 `batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/kernel-notes.md,
-CP v2; refitted in the twentieth session). For each sequence-length bucket (a power of two in
-chunks) the plan keeps the L that minimises it if it beats no segmentation by `min_gain`, else 0
-(no CP). L is always longer than the longest window it warms up over (DESIGN.md, "Calibration
+the CP cost model). For each sequence-length bucket (a power of two in chunks; segment_policy.py)
+the model keeps the L that minimises it if it beats no segmentation by `min_gain`, else 0 (no
+CP). L is always longer than the longest window it warms up over (DESIGN.md, "Calibration
 contract"). The tuner refines the table on the GPU; this is the documented default.
 """
 from __future__ import annotations
@@ -30,24 +30,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .segment_policy import SEGMENT_BUCKETS
 
-SEGMENT_BUCKETS = 32  # csrc/gdn_cp.cuh kSegmentBuckets: entry b for sequences of <= 2^b chunks (the last: longer)
 
-
-class CPPlanError(ValueError):
+class CostModelError(ValueError):
     """A warm-up profile, machine description or segment table that the model cannot use."""
-
-
-def bucket_of_chunks(chunks: int) -> int:
-    """The segment-table entry a sequence of `chunks` chunks reads: ceil(log2 chunks), 0 for one
-    chunk or none, the last entry for longer ones (csrc/gdn_cp.cuh segment_chunks_for)."""
-    return min(max(chunks - 1, 0).bit_length(), SEGMENT_BUCKETS - 1)
-
-
-def segments_of(chunks: int, length: int) -> int:
-    """Segments of a sequence of `chunks` chunks cut every `length` chunks; one unless
-    0 < length < chunks (csrc/gdn_cp.cuh segments_of)."""
-    return -(-chunks // length) if 0 < length < chunks else 1
 
 
 def check_segment_table(lengths) -> tuple[int, ...]:
@@ -56,10 +43,10 @@ def check_segment_table(lengths) -> tuple[int, ...]:
     try:
         values = tuple(lengths)
     except TypeError:
-        raise CPPlanError(f"a segment table is a list of {SEGMENT_BUCKETS} ints, got {lengths!r}") from None
+        raise CostModelError(f"a segment table is a list of {SEGMENT_BUCKETS} ints, got {lengths!r}") from None
     if len(values) != SEGMENT_BUCKETS or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                                  for n in values):
-        raise CPPlanError(f"a segment table has {SEGMENT_BUCKETS} non-negative ints (chunks per length "
+        raise CostModelError(f"a segment table has {SEGMENT_BUCKETS} non-negative ints (chunks per length "
                           f"bucket), got {list(values)!r}")
     return values
 
@@ -73,9 +60,9 @@ class WarmupProfile:
 
     def __post_init__(self):
         if not 0.0 <= self.exact_share <= 1.0:
-            raise CPPlanError(f"exact_share={self.exact_share} must lie in [0, 1]")
+            raise CostModelError(f"exact_share={self.exact_share} must lie in [0, 1]")
         if self.max_window < 0 or not 0.0 <= self.mean_window <= self.max_window:
-            raise CPPlanError(f"mean_window={self.mean_window} and max_window={self.max_window} must satisfy "
+            raise CostModelError(f"mean_window={self.mean_window} and max_window={self.max_window} must satisfy "
                               f"0 <= mean <= max")
 
     @classmethod
@@ -83,10 +70,10 @@ class WarmupProfile:
         """From per-layer warm-up tables (the kernel's values: n_h >= 1, or -1 = exact)."""
         values = [n for table in tables for n in table]
         if not values:
-            raise CPPlanError("no warm-up values: a profile needs at least one (layer, head) entry")
+            raise CostModelError("no warm-up values: a profile needs at least one (layer, head) entry")
         bad = [n for n in values if n != -1 and n < 1]
         if bad:
-            raise CPPlanError(f"warm-up values must be -1 (exact) or >= 1 chunks, got {bad[0]}")
+            raise CostModelError(f"warm-up values must be -1 (exact) or >= 1 chunks, got {bad[0]}")
         warm = [n for n in values if n > 0]
         return cls(exact_share=1.0 - len(warm) / len(values),
                    mean_window=sum(warm) / len(warm) if warm else 0.0,
@@ -99,33 +86,29 @@ class WarmupProfile:
 
 @dataclass(frozen=True)
 class Machine:
-    """The H200's costs in chunk-steps, fitted to scripts/cp_profile.py's measurements."""
+    """The H200's costs in chunk-steps, fitted to tools/cp_profile.py's measurements."""
     sms: int = 132               # H200
     ctas_per_sm: int = 1         # resident sequential-kernel CTAs per SM (the plan's ctas_per_sm)
     cta_start: float = 2.0       # chunk-steps a CTA spends before its first chunk (state load, pipeline fill)
-    chain_step: float = 4.0      # chunk-steps per boundary of the exact chain (a 128^3 fp32 product, ~6 us)
+    chain_step: float = 4.0      # chunk-steps per boundary of the exact chain (a 128^3 fp32 product)
     cp_fixed: float = 8.0        # the planning, the chain's first fill, two more launches
-    state_step: float = 0.4      # a state-only chunk-step (H, M, windows: no output GEMMs) per forward one;
-                                 # in the flat optimum scripts/fit_cp_model.py finds on the cp3 profile with
-                                 # the chain and prep costs at their measured values (regret 1.058; 0.75: 1.112)
+    state_step: float = 0.4      # a state-only chunk-step (H, M, windows: no output GEMMs) per forward one:
+                                 # the flat optimum of tools/fit_cp_model.py with the chain and prep costs
+                                 # at their measured values (docs/kernel-notes.md, the CP cost model)
     prep_item: float = 7.5       # chunk-steps one SM spends on a (chunk, q/k head) prep item
-    batch_weight: float = 0.40   # exponent of the work inflation in the objective (see the module doc); 0.35
-                                 # until the twentieth session, when 8/32's split of 16384-token sequences
-                                 # (modelled lone gain 1.21, inflation 1.28) measured 1.24x faster alone and
-                                 # 1.29x slower two at a time (docs/gpu-logs/2026-12-01-v20e-kernel_split.json):
-                                 # 0.40 drops that split and, on the scoreboard's head configurations, no other
+    batch_weight: float = 0.40   # exponent of the work inflation in the objective (see the module doc):
+                                 # large enough to drop splits that win alone but lose in batches of two
+                                 # (docs/kernel-notes.md, the CP cost model's batch hedge)
     wave_tail: float = 25.0      # chunk-steps each wave of a CP pass beyond the first adds: the passes are
                                  # separate launches, so more CTAs than slots end in a tail that work / slots
-                                 # misses (v11 scoreboard: 8/24 and 8/32 1x8192 split into 192 and 256 CTAs ran
-                                 # 0.89 and 0.96 of one chain, modelled 0.69 and 0.80 without it; fit in
-                                 # docs/kernel-notes.md, eleventh session)
-    min_segment: int = 32        # chunks: shorter segments lost to one chain in batches (4 x 8192 tokens)
+                                 # misses (fit in docs/kernel-notes.md, the CP cost model's wave tail)
+    min_segment: int = 32        # chunks: shorter segments lost to one chain in batches of long sequences
 
     def __post_init__(self):
         costs = (self.cta_start, self.chain_step, self.cp_fixed, self.state_step, self.prep_item, self.batch_weight,
                  self.wave_tail)
         if self.sms < 1 or self.ctas_per_sm < 1 or self.min_segment < 1 or min(costs) < 0:
-            raise CPPlanError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm}, min_segment={self.min_segment} "
+            raise CostModelError(f"machine sms={self.sms}, ctas_per_sm={self.ctas_per_sm}, min_segment={self.min_segment} "
                               f"must be >= 1 and cta_start={self.cta_start}, chain_step={self.chain_step}, "
                               f"cp_fixed={self.cp_fixed}, state_step={self.state_step}, prep_item={self.prep_item}, "
                               f"batch_weight={self.batch_weight}, wave_tail={self.wave_tail} >= 0")
@@ -177,7 +160,7 @@ def segment_length(chunks: int, chains: int, profile: WarmupProfile, machine: Ma
                    min_gain: float = 1.1, qk_heads: int = 1) -> int:
     """The segment length (chunks) for one sequence length, or 0 when CP does not pay."""
     if chains < 1 or chunks < 0 or qk_heads < 1:
-        raise CPPlanError(f"chains={chains} and qk_heads={qk_heads} must be >= 1 and chunks={chunks} >= 0")
+        raise CostModelError(f"chains={chains} and qk_heads={qk_heads} must be >= 1 and chunks={chunks} >= 0")
     base = objective(chunks, 0, chains, profile, machine, qk_heads)
     best, best_cost = 0, base
     length = 1
@@ -198,5 +181,5 @@ def segment_table(chains: int, profile: WarmupProfile, machine: Machine, max_log
             for b in range(max_log2_chunks + 1)}
 
 
-__all__ = ["CPPlanError", "Machine", "SEGMENT_BUCKETS", "WarmupProfile", "bucket_of_chunks", "check_segment_table",
-           "makespan", "objective", "segment_length", "segment_table", "segments_of"]
+__all__ = ["CostModelError", "Machine", "WarmupProfile", "check_segment_table", "makespan", "objective",
+           "segment_length", "segment_table"]
