@@ -8,9 +8,9 @@
 //                       sequence's own length), their prefix sum, and segment -> (sequence, index).
 //                       Only for calls of more than kFusedSegmentSeqs sequences; otherwise each
 //                       job row scans the few sequences itself, which costs less than a launch
-//                       (about 3-5 us of host time on the H200's hosts).
+//                       (the host time of a launch: docs/kernel-notes.md).
 //   plan_cp_jobs        run by the prep's CTAs once their items are done (gdn_prep.cuh): it reads
-//                       only the call's inputs, and a kernel of its own cost a launch.
+//                       only the call's inputs, and a kernel of its own would cost a launch.
 //                       Per (segment, v-head): the forward job of the segment and, at each
 //                       boundary, either a warm-up window (n_h chunks from a zero state, kept only
 //                       if the guard holds on this input) or, for exact boundaries, the previous
@@ -23,9 +23,8 @@
 //                       state run beside the chain (unsplit sequences first in calls of up to
 //                       kFusedSegmentSeqs sequences: plan_segment), those
 //                       that start from a chained state wait for it in the kernel
-//                       (griddepcontrol.wait). One stream and no events: the
-//                       eleventh session's side stream cost the host two event records and two
-//                       waits per call.
+//                       (griddepcontrol.wait). One stream and no events: a side stream would cost
+//                       the host two event records and two waits per call.
 // A segment's arithmetic depends only on its own sequence (its length picks L, its tokens decide
 // the guard), so a sequence's output is the same bit for bit whatever it is batched with.
 #pragma once
@@ -36,26 +35,14 @@
 #include <stdint.h>
 
 #include "gdn_grid_sync.cuh"
+#include "gdn_pipeline.cuh"
+#include "gdn_segment_policy.h"  // kSegmentBuckets, kMaxSegments, segment_chunks_for, segments_of
 #include "gdn_sequences.cuh"
 
 namespace fqt {
 
-constexpr int kSegmentBuckets = 32;  // entry b: sequences of at most 2^b chunks (the last: longer ones)
 constexpr int kPlanThreads = 1024;
-constexpr int64_t kMaxSegments = 65535 / 3;  // the state pass has 3 grid z-slices per segment
 constexpr int kFusedSegmentSeqs = 64;  // up to this many sequences each job row plans the segments itself
-
-// Segment length in chunks for a sequence of `chunks` chunks; a result of 0 or >= chunks means one
-// segment.
-__device__ __forceinline__ int64_t segment_chunks_for(const int32_t* table, int64_t chunks) {
-  int b = chunks <= 1 ? 0 : 64 - __clzll(chunks - 1);  // ceil(log2(chunks))
-  b = b < kSegmentBuckets ? b : kSegmentBuckets - 1;
-  return table[b];
-}
-
-__device__ __forceinline__ int64_t segments_of(int64_t chunks, int64_t seg_chunks) {
-  return seg_chunks > 0 && chunks > seg_chunks ? (chunks + seg_chunks - 1) / seg_chunks : 1;
-}
 
 struct CpPlanArgs {
   const int64_t* cu_seqlens;
@@ -131,9 +118,8 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
 // The guard over tokens [t0, t1) of v-head hv: the summed log-decay reaches log(eps) and every
 // token keeps 0 <= b ||k||^2 <= 2 (so each (I - b k k^T) is a contraction). NaN fails both.
 // A thread per token: it reads its k row as K / 8 16-byte pieces, all in flight at once, so a
-// window of up to Threads tokens costs one round of loads (a warp per token walked the window one
-// dependent load at a time: the jobs took 13-16 us per CP call on the H200, then 7-12 us,
-// docs/kernel-notes.md, thirteenth session).
+// window of up to Threads tokens costs one round of loads rather than one dependent load per token
+// (measurements: docs/kernel-notes.md).
 // The sums run in a fixed order (per thread, then an xor tree, then by warp): deterministic.
 template <class Elem, int Hqk, int Hv, int K, int Threads>
 __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int hv) {
@@ -284,41 +270,17 @@ __device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
 // sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
 // CTAs of one head need no ordering between them, and each output element sums over m in the same
 // order whatever Columns is (bitwise the same for 4, 8 or 16).
-// The chain is a latency-bound walk. Each step's M (64 KB fp32) goes to shared memory by one bulk
+// The chain is a latency-bound walk. Each step's M (K x K fp32) goes to shared memory by one bulk
 // copy while the previous step computes (two buffers), and the step's H comes into registers
 // during the previous step too. M comes m-major whatever the state layout (the state pass stores
 // it so), so a warp's scalar read down one of its columns is contiguous, touches every bank once
-// and needs no swizzle, while the warp's read of prev at the same m stays a broadcast (a first
-// form that read k-major rows from rotated starts lost that broadcast and took a step's product
-// from 2300 to 9400 cycles: docs/kernel-notes.md, seventeenth session). Each output element sums
-// its 128 products in four running sums (m mod 4), which shortens the dependent chain of FMAs
-// that held half of a step's 6000 cycles (sixteenth session). A step's result stays in shared
-// memory as the next step's input when the next boundary is exact too.
-constexpr int kChainThreads = 256;   // two threads per state row (K = 128), each half the columns
-
-// Measurement switches (scripts/cp_variants.py); products build with the defaults.
-#ifndef FQT_CHAIN_FAST_EXIT
-#define FQT_CHAIN_FAST_EXIT 1  // 0: a CTA finds its first exact boundary by walking the boundaries in order
-#endif
-#ifndef FQT_CHAIN_EARLY_TRIGGER
-#define FQT_CHAIN_EARLY_TRIGGER 1  // 0: the forward pass launches only once the chain has finished
-#endif
-#ifndef FQT_CHAIN_SKIP
-#define FQT_CHAIN_SKIP 0  // 1: the chain does nothing (wrong results): the call's time without it
-#endif
-#ifndef FQT_CHAIN_CLOCKS
-#define FQT_CHAIN_CLOCKS 0  // 1: each working CTA of column slice 0 prints its stages' SM clocks (scripts/chain_clocks.py)
-#endif
-#ifndef FQT_CHAIN_PARTIALS
-#define FQT_CHAIN_PARTIALS 4  // 1: each output element sums its 128 products in one running sum
-#endif
-
-// FQT_CHAIN_CLOCKS: clock64 at the stages of the first kChainClockSteps steps of a chain CTA.
-constexpr int kChainClockSteps = 8;
-enum ChainStage : int { kIssued, kFilled, kPrevRead, kSynced, kComputed, kStored, kChainStages };
-
-constexpr int kChainPartials = FQT_CHAIN_PARTIALS;
-static_assert(kChainPartials == 1 || kChainPartials == 4, "one running sum, or four over m mod 4");
+// and needs no swizzle, while the warp's read of prev at the same m stays a broadcast (k-major rows
+// read from rotated starts would lose that broadcast). Each output element sums its K products in
+// four running sums (m mod 4), which shortens the dependent chain of FMAs. A step's result stays
+// in shared memory as the next step's input when the next boundary is exact too. The cycle counts
+// behind these choices: docs/kernel-notes.md.
+constexpr int kChainThreads = 256;   // kChainThreads / K threads per state row, each its part of the columns
+constexpr int kChainPartials = 4;    // running sums per output element, over m mod 4
 
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
@@ -328,19 +290,23 @@ constexpr int chain_smem_bytes() {
 
 template <int Hv, int K, int V, bool VFirst, int Columns>
 __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArgs a) {
-  static_assert(2 * K == kChainThreads && K == V && K % 32 == 0, "the chain kernel assumes K = V = 128");
-  static_assert(Columns == 4 || Columns % 8 == 0, "each thread's half of the columns is read as float2 or float4");
-  constexpr int kHalf = Columns / 2;
+  static_assert(K == V, "M maps a state to a state: the exact chain needs K = V (a transition job starts from S = I)");
+  static_assert(kChainThreads % K == 0 && K % 32 == 0, "a state row has a whole number of threads, a warp whole rows");
+  static_assert(chain_smem_bytes<K, Columns>() <= 227 * 1024,
+                "two K x K fp32 M buffers must fit in shared memory: the chain supports K <= 128");
+  constexpr int kHalf = Columns / (kChainThreads / K);  // this thread's columns (half of them at K = 128)
+  static_assert(kHalf == 2 || (kHalf > 0 && kHalf % 4 == 0), "a thread's columns are read as one float2 or float4s");
   constexpr int64_t kState = int64_t(K) * V;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  // M's two buffers: the bulk copies complete on the full barriers; a buffer is free again once
+  // the CTA-wide barrier that closes the step reading it has passed.
+  using Ring = MbarrierPipeline<2, /*Transactions=*/true, ConsumerRelease::kCtaBarrier>;
   extern __shared__ __align__(16) float chain_smem[];
   float* m_buf = chain_smem;                       // [2][K][K], M m-major as in global memory
   float* prev = chain_smem + 2 * K * K;            // [K][Columns]
-  uint64_t* filled = reinterpret_cast<uint64_t*>(prev + K * Columns);  // [2]: buffer b's M has landed
+  auto& ring_barriers = *reinterpret_cast<typename Ring::Storage*>(prev + K * Columns);
   // The forward pass may launch now: its unchained jobs need nothing from here, and its chained
   // ones wait for this grid to finish (every chain CTA is resident or done before it starts).
-  if (FQT_CHAIN_EARLY_TRIGGER) allow_dependent_launch();
-  if (FQT_CHAIN_SKIP) return;
+  allow_dependent_launch();
   const int64_t i = blockIdx.x;
   const int hv = blockIdx.y;
   const int col0 = blockIdx.z * Columns;
@@ -348,11 +314,9 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   const int c0 = (threadIdx.x / K) * kHalf;        // its first column within the CTA's
   auto at = [](int64_t r, int64_t c) -> int64_t { return VFirst ? c * K + r : r * V + c; };  // (k, v) element
   if (threadIdx.x == 0) {
-    Barrier::init(&filled[0], 1);
-    Barrier::init(&filled[1], 1);
+    Ring::init(ring_barriers, 1);
     cutlass::arch::fence_barrier_init();
   }
-  if (!FQT_CHAIN_FAST_EXIT) __syncthreads();  // otherwise the exit test's barrier below
   const int64_t first = a.seq_first[i];
   const int32_t n = a.seq_count[i];
   auto exact_at = [&](int32_t j) { return first + j < a.num_segments && a.exact[(first + j) * Hv + hv]; };
@@ -360,27 +324,28 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     while (j < n && !exact_at(j)) ++j;
     return j;
   };
-  if (FQT_CHAIN_FAST_EXIT) {
-    // Most CTAs have nothing to chain (only exact heads work: a quarter of the heads in the
-    // protocol's tables). Their flags are read at once, one per thread, so such a CTA frees its SM
-    // after one load instead of walking the boundaries one dependent load at a time.
+  {
+    // Most CTAs have nothing to chain (only exact heads work). Their flags are read at once, one
+    // per thread, so such a CTA frees its SM after one load instead of walking the boundaries one
+    // dependent load at a time. The barrier also orders the barrier init above before any wait.
     bool any = false;
     for (int32_t b = 1 + int32_t(threadIdx.x); b < n; b += kChainThreads) any = any || exact_at(b);
     if (!__syncthreads_or(any)) return;
   }
   // M lies m-major, (k, m) at m K + k, in global memory as in shared: shared row m is M's column
-  // m. The whole 64 KB comes by one bulk copy that one thread issues, completing on the buffer's
-  // barrier. (4096 cp.async of 16 bytes stalled their issue for 2300 of a step's 6000 cycles, and
-  // one bulk copy per row took 15000 to issue: docs/kernel-notes.md, sixteenth session.)
-  auto fill = [&](int32_t j, int buf) {
+  // m. The whole K x K fp32 comes by one bulk copy that one thread issues, completing on the
+  // buffer's barrier (16-byte cp.async copies, or one bulk copy per row, take far longer to issue:
+  // docs/kernel-notes.md).
+  const Ring ring(ring_barriers);
+  auto fill = [&](int32_t j, PairState st) {
     if (threadIdx.x == 0) {
       // the buffer's last readers passed the barrier that closed the previous step: order their
       // generic reads before the copy's async-proxy writes
       cutlass::arch::fence_view_async_shared();
       constexpr uint32_t kBytes = uint32_t(sizeof(float)) * K * K;
-      Barrier::arrive_and_expect_tx(&filled[buf], kBytes);
-      cute::SM90_BULK_COPY_G2S::copy(a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K, &filled[buf],
-                                     m_buf + buf * K * K, int32_t(kBytes));
+      ring.producer_expect(st, kBytes);
+      cute::SM90_BULK_COPY_G2S::copy(a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K, &ring.full_barrier(st),
+                                     m_buf + st.index() * K * K, int32_t(kBytes));
     }
   };
   auto load_h = [&](int32_t j, float (&h)[kHalf]) {
@@ -389,34 +354,24 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   };
   int32_t j = next_exact(1);
   if (j >= n) return;
-#if FQT_CHAIN_CLOCKS
-  long long clocks[kChainClockSteps * kChainStages + 1];
-  int step = 0;
-  auto stamp = [&](int stage) {
-    if (step < kChainClockSteps) clocks[step * kChainStages + stage] = clock64();
-  };
-  clocks[kChainClockSteps * kChainStages] = clock64();
-#else
-  auto stamp = [](int) {};  // compiles to nothing: the product's code is as without the switch
-#endif
-  fill(j, 0);
+  fill(j, PairState{0, 0u});
   float h_cur[kHalf];
   load_h(j, h_cur);
+  // PairState{buf, phases}: this step's buffer and the buffers' phases, kept in two loop variables
+  // (a PairState variable across the loop compiles to a different register allocation)
   int buf = 0;
-  uint32_t phases = 0u;  // bit b: the parity buffer b's barrier completes next
+  uint32_t phases = 0u;
   int32_t last = -1;  // the boundary whose result `prev` holds
   while (j < n) {
     const int64_t row = (first + j) * Hv + hv;
     const int32_t following = next_exact(j + 1);
     float h_next[kHalf];
     if (following < n) {
-      fill(following, buf ^ 1);  // its buffer was last read before the previous step's closing barrier
+      fill(following, PairState{buf, phases}.next());  // its buffer's last reads precede the previous step's closing barrier
       load_h(following, h_next);
     }
-    stamp(kIssued);
-    mbarrier_wait(&filled[buf], (phases >> buf) & 1u);
-    phases ^= 1u << buf;
-    stamp(kFilled);
+    ring.consumer_wait(PairState{buf, phases});
+    phases ^= 1u << buf;  // buffer buf's next phase (PairState::next, split across the step)
     if (last != j - 1) {  // segment j - 1 starts from h0, a warm-up state or zeros: read it
       const float* s_prev = a.jobs_fwd[row - Hv].h0;
       for (int e = threadIdx.x; e < K * Columns; e += kChainThreads) {
@@ -433,9 +388,7 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
 #pragma unroll
       for (int p = 1; p < kChainPartials; ++p) part[p][c] = 0.f;
     }
-    stamp(kPrevRead);
     __syncthreads();  // M and prev are in shared memory
-    stamp(kSynced);
     const float* mb = m_buf + buf * K * K;
     // part[p] += M(kk, mm) * prev(mm, my columns), p = mm mod kChainPartials (a constant once unrolled)
     auto accumulate = [&](int mm, float w, int p) {
@@ -462,21 +415,10 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
       for (int u = 0; u < 8; ++u) accumulate(m8 + u, mb[(m8 + u) * K + kk], u % kChainPartials);
     }
     float acc[kHalf];
-    for (int c = 0; c < kHalf; ++c) {
-      if constexpr (kChainPartials == 4) {
-        acc[c] = (part[0][c] + part[1][c]) + (part[2][c] + part[3][c]);
-      } else {
-        acc[c] = part[0][c];
-      }
-    }
-    stamp(kComputed);
+    for (int c = 0; c < kHalf; ++c) acc[c] = (part[0][c] + part[1][c]) + (part[2][c] + part[3][c]);
     float* out = a.boundary + row * kState;
     for (int c = 0; c < kHalf; ++c) out[at(kk, col0 + c0 + c)] = acc[c];
     __syncthreads();  // every read of prev and of this M buffer is done
-    stamp(kStored);
-#if FQT_CHAIN_CLOCKS
-    ++step;
-#endif
     if (following == j + 1) {  // the next step starts from this result (otherwise it reads its own)
       for (int c = 0; c < kHalf; ++c) prev[kk * Columns + c0 + c] = acc[c];
     }
@@ -487,24 +429,6 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
     j = following;
     buf ^= 1;
   }
-#if FQT_CHAIN_CLOCKS
-  {
-    // Cycles from the previous stage (a step's first stage: from the previous step's end, or from
-    // the first fill's issue), for thread 0 of column slice 0 of each working (sequence, head).
-    if (threadIdx.x == 0 && blockIdx.z == 0) {
-      long long prev_clock = clocks[kChainClockSteps * kChainStages];
-      for (int s = 0; s < step && s < kChainClockSteps; ++s) {
-        long long d[kChainStages];
-        for (int t = 0; t < kChainStages; ++t) {
-          d[t] = clocks[s * kChainStages + t] - prev_clock;
-          prev_clock = clocks[s * kChainStages + t];
-        }
-        printf("chain clocks seq %d head %d step %d: issue %lld fill %lld prev %lld sync %lld compute %lld store %lld\n",
-               int(i), hv, s, d[0], d[1], d[2], d[3], d[4], d[5]);
-      }
-    }
-  }
-#endif
 }
 
 }  // namespace fqt

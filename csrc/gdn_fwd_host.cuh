@@ -18,6 +18,7 @@
 #include "gdn_cp.cuh"
 #include "gdn_fwd_mainloop.cuh"
 #include "gdn_prep.cuh"
+#include "gdn_segment_policy.h"  // kMaxSequences, kMaxSegments
 
 namespace fqt {
 
@@ -130,25 +131,15 @@ CpPlanArgs cp_plan_args(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* 
 // Column slices of the exact chain, one CTA each per (sequence, v-head). Only exact heads' CTAs
 // work (the others return at once), and a narrower slice walks the chain faster: each step's
 // 128 x 128 fp32 product has fewer columns per thread. The narrowest width is taken whose working
-// CTAs, counted from the table's exact heads, fit on the SMs at once. On the H200 that rule picks
-// the fastest of the three widths, or one within 1%, on all 12 rows timed (two builds of the same
-// width differed by up to 1.7%). On 16/16 1x8192 it takes 4 columns: the chain 20 us against 30
-// at 16, the call 0.166 ms against 0.178 (docs/kernel-notes.md, fifteenth session).
-#ifndef FQT_CHAIN_COLUMNS
-#define FQT_CHAIN_COLUMNS 0  // 0: by the rule above; 4, 8 or 16 forces a width (measurement only)
-#endif
+// CTAs, counted from the table's exact heads, fit on the SMs at once (the measurements behind the
+// rule: docs/kernel-notes.md).
 template <int HeadV>
 int chain_columns(int64_t num_seqs, int32_t exact_heads, int sm_count) {
-  if (FQT_CHAIN_COLUMNS != 0) return FQT_CHAIN_COLUMNS;
   const int64_t heads = exact_heads > 0 ? exact_heads : 1;  // a failed guard may chain any head
   for (int columns : {4, 8})
     if (num_seqs * heads * (HeadV / columns) <= sm_count) return columns;
   return 16;
 }
-
-#ifndef FQT_FWD_JOB_ORDER
-#define FQT_FWD_JOB_ORDER 1  // 0: the forward pass's unchained jobs in segment order (measurement only)
-#endif
 
 template <class Cfg, int Columns>
 cudaError_t launch_chain(const CpPlanArgs& pa, cudaStream_t stream) {
@@ -185,7 +176,7 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const CpPlanArgs& pa, FwdP
   if (err != cudaSuccess) return err;
   fp.jobs = pa.jobs_fwd;
   fp.job_pass = kUnchainedThenChained;
-  fp.job_order = FQT_FWD_JOB_ORDER ? pa.fwd_order : nullptr;
+  fp.job_order = pa.fwd_order;
   return launch_programmatic<Cfg>(gdn_fwd_kernel<Cfg>, fp, 2 * S, stream);
 }
 
@@ -245,12 +236,12 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   if (a.prep_schedule != FQT_PREP_AUTO && a.prep_schedule != FQT_PREP_SERIAL && a.prep_schedule != FQT_PREP_OVERLAP)
     return cudaErrorInvalidValue;
 
-  if (slots > 0x7fffffff || N > 65535) return cudaErrorInvalidValue;
+  if (slots > 0x7fffffff || N > kMaxSequences) return cudaErrorInvalidValue;
   const int64_t main_ctas = int64_t(Cfg::HeadV / Cfg::BlockV) * Cfg::Hv * N;
   const int64_t main_sms = (main_ctas + Cfg::CtasPerSm - 1) / Cfg::CtasPerSm;
   // Overlap pays when the free SMs produce items faster than the chains consume them (N x Hqk
-  // items per ~1.6 us chunk step, ~10 us per item and SM) and the sequences are long enough to
-  // amortise waiting for the first item; H200 measurements in docs/kernel-notes.md (v4).
+  // items per chunk step) and the sequences are long enough to amortise waiting for the first
+  // item; the thresholds come from measurements in docs/kernel-notes.md.
   const int64_t free_sms = sm_count - main_sms;
   bool overlap = free_sms >= 12 * N * Cfg::Hqk && T >= 4096 * N;
   if (a.prep_schedule == FQT_PREP_SERIAL) overlap = false;

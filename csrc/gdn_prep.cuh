@@ -19,6 +19,11 @@
 // SM and is the default up to three v-heads per q/k head (plan.default_tiles). With ready flags,
 // each finished item is published so the sequential kernel can run beside this one
 // (gdn_fwd_host.cuh). In a context-parallel call the CTAs then plan the call's jobs (gdn_cp.cuh).
+//
+// The kernel body walks the items and composes the steps of one: PrepGates (the gates and betas,
+// scanned per v-head), prepare_qk_rows (tail rows, in-kernel l2norm), qk_products (K K^T and
+// Q K^T) and solve_head_batch (the solve for A0, then Aw and P). PrepConfig takes the head dim K
+// as a template parameter (64, 128 or 256; the 128-thread form needs K >= 128).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -46,31 +51,13 @@ enum PrepOrder : int {
 
 constexpr int kPrepPad = kChunk + 4;  // padded rows of 64x64 fp32 tiles (16-byte aligned rows)
 
-// Measurement only (scripts/prep_ablation.py): FQT_PREP_ABLATE leaves stages of an item out, so
-// each stage's cost shows as a time difference without hardware counters (the method of
-// ../.library/device/H200.md). Results are wrong with any bit set; products build with 0.
-#ifndef FQT_PREP_ABLATE
-#define FQT_PREP_ABLATE 0
-#endif
-enum : int {
-  kAblateGemms = 1,   // no K K^T / Q K^T wgmma (the fp32 tiles keep stale values)
-  kAblateSolve = 2,   // A0 = I: no forward substitution
-  kAblateAwOut = 4,   // no Aw (decay mask, exponentials, stores)
-  kAblatePOut = 8,    // no P and no gamma row (decay mask, exponentials, stores)
-  kAblateQ = 16,      // no q tile: no load, no Q K^T (with kAblatePOut: the prep a sequential
-                      // kernel that forms P itself would need)
-};
-constexpr bool prep_runs(int stage) { return (FQT_PREP_ABLATE & stage) == 0; }
-
-// P's octets and the normalised q/k quartets leave by one 16- or 8-byte store each. Written as
-// uint4 / uint2 assignments, nvcc 13.0 split them into 4-byte stores, and Nsight Compute counted
-// those P stores as 59-61% of the prep's global sectors excessive (seventeenth session; the inline
-// PTX below is STG.E.128 / STG.E.64 in the SASS).
+// P's octets and the normalised q/k rows leave by one 16-, 8- or 4-byte store each: written as
+// uint4 / uint2 assignments, nvcc 13.0 splits them into 4-byte stores (excess global sectors); the
+// inline PTX below is STG.E.128 / STG.E.64 / STG.E in the SASS.
 //
 // A call of up to kPrepSeqCache sequences decodes its items from a shared-memory copy of
-// cu_seqlens: the binary search over the offsets otherwise waits on dependent global loads, which
-// held about 9% of the 16/16 1024x8 prep's stall samples. Both together: the prep 2.4% faster
-// (geomean of 12 rows, bitwise the same; eighteenth session, docs/kernel-notes.md).
+// cu_seqlens: the binary search over the offsets otherwise waits on dependent global loads.
+// (The measurements behind both: docs/kernel-notes.md.)
 constexpr int kPrepSeqCache = 128;
 
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
@@ -78,6 +65,9 @@ __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t 
 }
 __device__ __forceinline__ void store_global_8(void* dst, uint32_t a, uint32_t b) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(dst), "r"(a), "r"(b) : "memory");
+}
+__device__ __forceinline__ void store_global_4(void* dst, uint32_t a) {
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(dst), "r"(a) : "memory");
 }
 
 // Offset of Q K^T[i][j] in its fp32 tile: padded rows in a tile of its own (256 threads), or, with
@@ -92,8 +82,9 @@ __device__ __forceinline__ int qk_offset(int i, int j) {
 
 // e^x for the decay masks as one MUFU.EX2. Without -ftz, nvcc wraps each __expf in a fix-up for
 // subnormal results (a predicated halving before and a squaring after, behind a branch); those
-// made up most of the FMULs and branches among the prep's hottest instructions (ncu, tenth
-// session). A decay below 2^-126 becomes 0, which no bf16 tile or fp32 sum of them notices.
+// make up most of the FMULs and branches among the prep's hottest instructions otherwise
+// (docs/kernel-notes.md). A decay below 2^-126 becomes 0, which no bf16 tile or fp32 sum of them
+// notices.
 __device__ __forceinline__ float exp_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
@@ -150,9 +141,9 @@ struct PrepConfig {
   static constexpr int HeadBatch = Threads / kChunk;  // v-heads per batch of gates (solved at once with 256
                                                       // threads, a warp pair per head; in turn with 128)
   // With 128 threads, Q K^T lives in the q tile and the next item's q load waits until P has been
-  // written: without its own 17 KB tile the prep fits four CTAs per SM instead of three (prep
-  // 0.177 -> 0.173 ms on 16/16 8192x4, 0.306 -> 0.289 on 16/32; kernel-notes, fourteenth session).
-  static constexpr bool QkInQ = Threads == 128 && prep_runs(kAblateQ);
+  // written: without its own 17 KB tile the prep fits four CTAs per SM instead of three
+  // (measured: docs/kernel-notes.md).
+  static constexpr bool QkInQ = Threads == 128;
   static constexpr int CtasPerSm = Threads == 256 ? 2 : (QkInQ ? 4 : 3);
   using C64 = Int<kChunk>;
   using CK = Int<HeadK>;
@@ -178,7 +169,7 @@ struct PrepConfig {
     uint64_t loaded;
     __device__ float* qk_tile() {
       if constexpr (QkInQ) {
-        static_assert(sizeof(q) == kChunk * kChunk * sizeof(float), "Q K^T's fp32 tile fills the q tile");
+        static_assert(sizeof(q) >= kChunk * kChunk * sizeof(float), "Q K^T's fp32 tile fits the q tile (K >= 128)");
         return reinterpret_cast<float*>(q.data());
       } else {
         return qk;
@@ -196,7 +187,7 @@ struct PrepConfig {
   static constexpr int SmemBytes = Threads == 256
                                        ? ExtraXOffset + 2 * XTileBytes
                                        : int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes;
-  static constexpr uint32_t TileTxBytes = uint32_t((prep_runs(kAblateQ) ? 2 : 1) * sizeof(Elem) * cosize_v<LayoutQK>);
+  static constexpr uint32_t TileTxBytes = uint32_t(2 * sizeof(Elem) * cosize_v<LayoutQK>);
 };
 
 template <class Cfg>
@@ -233,10 +224,8 @@ struct PrepItem {
 
 // An item as thread 0 decoded it, and the index of the item after it. Thread 0 alone finds and
 // decodes each next item, into one of two shared-memory slots the other threads read after the
-// item's barriers: every thread decoding it for itself took about 1100 of the 16/16 prep's 4530
-// SASS instructions (int64 offsets, clamps, the binary search). Alone it made the preps
-// 0.90-0.97x the time on 16/16 and 8/24 (2/8 0.91-1.01), but 16/32 1.05x, where it spilled until
-// the TF32 split was truncated (eighteenth and nineteenth sessions, docs/kernel-notes.md).
+// item's barriers: every thread decoding each item for itself would take about a quarter of the
+// prep's SASS instructions (int64 offsets, clamps, the binary search; docs/kernel-notes.md).
 struct PrepItemSlot {
   PrepItem it;
   int64_t next;
@@ -272,6 +261,345 @@ __device__ __forceinline__ int64_t next_valid_item(const Args& a, int64_t item, 
   return item < a.num_items ? item : a.num_items;
 }
 
+// Step 1 of an item: rows past the sequence end (another sequence's tokens) become zeros; with
+// l2norm, rows are normalised in place and also written out for the sequential kernel's TMA loads.
+// By all Threads threads, a warp per row, each lane kLaneCols = K / 32 of its columns.
+template <class Elem, int Hqk, int HeadK, int Threads, class Args, class SQ, class SK>
+__device__ __forceinline__ void prepare_qk_rows(const Args& args, SQ& sQ, SK& sK, int tid, int L, int64_t tok0, int hqk) {
+  constexpr int kLaneCols = HeadK / 32;
+  if (args.use_qk_l2norm || L < kChunk) {
+    const int warp = tid / 32, lane = tid % 32, d0 = lane * kLaneCols;
+    for (int r = warp; r < kChunk; r += Threads / 32) {
+      if (r >= L) {
+        for (int i = 0; i < kLaneCols; ++i) sQ(r, d0 + i) = sK(r, d0 + i) = Elem(0.f);
+        continue;
+      }
+      if (!args.use_qk_l2norm) continue;
+      float qv[kLaneCols], kv[kLaneCols], sq = 0.f, sk = 0.f;
+      for (int i = 0; i < kLaneCols; ++i) {
+        qv[i] = float(sQ(r, d0 + i));
+        kv[i] = float(sK(r, d0 + i));
+        sq += qv[i] * qv[i];
+        sk += kv[i] * kv[i];
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      }
+      const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
+      for (int i = 0; i < kLaneCols; ++i) {
+        qv[i] *= rq;
+        kv[i] *= rk;
+        sQ(r, d0 + i) = Elem(qv[i]);
+        sK(r, d0 + i) = Elem(kv[i]);
+      }
+      // Packed stores of a lane's columns: nvcc 13.0 lowered a byte-wise memcpy of these 16-bit
+      // elements into float-to-integer conversions (F2I.U8.F16 in the SASS), corrupting the copy.
+      const int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d0;
+      if constexpr (kLaneCols == 2) {
+        store_global_4(static_cast<Elem*>(args.q_normed) + off, pack2<Elem>(qv[0], qv[1]));
+        store_global_4(static_cast<Elem*>(args.k_normed) + off, pack2<Elem>(kv[0], kv[1]));
+      } else {
+        for (int i = 0; i < kLaneCols; i += 4) {
+          store_global_8(static_cast<Elem*>(args.q_normed) + off + i, pack2<Elem>(qv[i], qv[i + 1]),
+                         pack2<Elem>(qv[i + 2], qv[i + 3]));
+          store_global_8(static_cast<Elem*>(args.k_normed) + off + i, pack2<Elem>(kv[i], kv[i + 1]),
+                         pack2<Elem>(kv[i + 2], kv[i + 3]));
+        }
+      }
+    }
+    cutlass::arch::fence_view_async_shared();  // generic stores, read by wgmma (async proxy)
+  }
+}
+
+// Step 2 of an item: K K^T and Q K^T on the tensor cores, into fp32 tiles: one per warp group with
+// two; with one, both products in flight at once (one wait).
+template <class Cfg, class SQ, class SK>
+__device__ __forceinline__ void qk_products(typename Cfg::SharedStorage& ss, SQ& sQ, SK& sK, int tid) {
+  constexpr int Threads = Cfg::Threads;
+  typename Cfg::Mma mma;
+  auto thr = mma.get_thread_slice(tid % 128);
+  Tensor tB = thr.partition_fragment_B(sK);
+  Tensor crd = thr.partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<kChunk>>{}));
+  auto store_tile = [&](auto& acc, float* out, auto in_q) {
+    // accumulator values e, e + 1 are neighbouring columns (tests/test_fragment_layout.py):
+    // one 8-byte store per pair
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); e += 2)
+      *reinterpret_cast<float2*>(out + qk_offset<decltype(in_q)::value>(get<0>(crd(e)), get<1>(crd(e)))) =
+          make_float2(acc(e), acc(e + 1));
+  };
+  if constexpr (Threads == 128) {
+    Tensor tAk = thr.partition_fragment_A(sK);
+    Tensor tAq = thr.partition_fragment_A(sQ);
+    Tensor acc_k = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+    Tensor acc_q = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+    warpgroup_fence_operand(acc_k);
+    warpgroup_fence_operand(acc_q);
+    warpgroup_arrive();
+    wgmma_gemm(mma, tAk, tB, acc_k, true);
+    wgmma_gemm(mma, tAq, tB, acc_q, true);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_k);
+    warpgroup_fence_operand(acc_q);
+    store_tile(acc_k, ss.kk, false_type{});
+    if constexpr (Cfg::QkInQ) __syncthreads();  // every warp's GEMMs have read q
+    store_tile(acc_q, ss.qk_tile(), bool_constant<Cfg::QkInQ>{});
+  } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
+    const bool kk_gemm = tid < 128;
+    {
+      Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
+      Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      wgmma_gemm(mma, tA, tB, acc, true);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      store_tile(acc, kk_gemm ? ss.kk : ss.qk_tile(), false_type{});
+    }
+  }
+}
+
+// Steps 4 and 5 of an item for v-heads [hb, hb + nb) of q/k head hqk (one head batch, its gates in
+// ss.gamma / ss.beta): the solve for A0, Aw stored as X's columns are ready, and P with the slot's
+// gamma row. issue_next_q_load: the next item's q tile load (Cfg::QkInQ: once P has read Q K^T).
+template <class Elem, int Hqk, int Hv, int HeadK, int Threads, class Args, class IssueNextQ>
+__device__ __forceinline__ void solve_head_batch(const Args& args, typename PrepConfig<Elem, Hqk, HeadK, Threads>::SharedStorage& ss,
+                                                 char* smem_raw, int tid, int hqk, int hb, int nb, int64_t slot, int L,
+                                                 int64_t next, IssueNextQ&& issue_next_q_load) {
+  using Cfg = PrepConfig<Elem, Hqk, HeadK, Threads>;
+  constexpr int G = Hv / Hqk;
+  constexpr int HeadBatch = Cfg::HeadBatch;
+  // 4. A0 for each head of the batch. On the tensor cores (gdn_prep_solve_mma.cuh) with one
+  //    v-head per q/k head, and with several when the CTA has 128 threads: threads 0..63 solve
+  //    the batch's heads one after another by 16 x 16 blocks while threads 64.. write P. X lands
+  //    in K K^T's upper triangle, column c of X in row c of the tile (16-byte loads,
+  //    conflict-free within each quarter warp), streamed to Aw without holding the column in
+  //    registers (with one or two heads, by all 128 threads after the solve: kAwByAll); K K^T's
+  //    lower triangle stays, so each head's X overwrites the previous one's once every column
+  //    of it has been stored. With several heads and 128 threads this beats a column per
+  //    thread and head, and 256 threads (docs/kernel-notes.md).
+  //    With 256 threads and more than four v-heads per q/k head (several head batches, whose
+  //    K K^T and Q K^T tiles the solve at once below would overwrite), one column per thread
+  //    (head h = tid / 64, column c = tid % 64), by forward substitution in registers:
+  //    x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1. Columns are independent, so
+  //    no barrier; the warp reads the same K K^T row (a broadcast). Then
+  //    Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
+  constexpr bool kTensorCoreSolve = G == 1 || Threads == 128;
+  // With one or two v-heads per q/k head, all 128 threads write Aw once a head's solve is done
+  // (two per column, 32 rows each) instead of the 64 solving ones while the other 64, done with
+  // P, wait; with two, one head per round (threads 0..63 solve head h while 64..127 write its
+  // P, then all write its Aw). With three (8/24) the rounds lose (docs/kernel-notes.md).
+  constexpr bool kAwByAll = kTensorCoreSolve && Threads == 128 && G <= 2;
+  // With 256 threads and two to four v-heads per q/k head (one head batch: 2/8, 4/16, 8/32), the
+  // four warp pairs solve their heads at once on the tensor cores, each into an X tile of its
+  // own: head 0's in K K^T's upper triangle, head 1's in the Q K^T tile (P is written first, by
+  // all threads), heads 2 and 3 in the two tiles after the item slots. It is faster than a
+  // column per thread in registers (forward substitution, below, whose FFMAs dominate that
+  // prep's SASS); against 128 threads, which solve the heads one after another, it wins on
+  // short sequences and loses a little on long ones (docs/kernel-notes.md).
+  constexpr bool kSolveHeadsAtOnce = Threads == 256 && G > 1 && G <= HeadBatch;
+  // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
+  // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc puts each
+  // exponential of a selected result behind its own branch, so the steps run one after another
+  // (docs/kernel-notes.md).
+  auto aw_column_store = [&](int h, int c) {
+    const int hv = hqk * G + hb + h;
+    Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+    const float* gam = ss.gamma[h];
+    const float gc = gam[c], bc = ss.beta[h][c];
+    return [=](int i, float xi) {
+      const float d = i < L && c <= i ? gam[i] - gc : -INFINITY;
+      aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
+    };
+  };
+  // 5. P with the decay mask (store_p_octet), and the slot's gamma row, for heads [h_lo, h_hi)
+  //    of the batch by threads p_first.. of the CTA. P reads only the Q K^T tile and the gates.
+  auto write_p = [&](int h_lo, int h_hi, int p_first) {
+    const int p_threads = Threads - p_first, ptid = tid - p_first;
+    for (int h = h_lo; h < (ptid >= 0 ? h_hi : h_lo); ++h) {
+      const int hv = hqk * G + hb + h;
+      const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
+      const float* gam = ss.gamma[h];
+      Elem* pm = static_cast<Elem*>(args.p) + base;
+      for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
+        store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
+      if (ptid < kChunk)
+        args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
+    }
+  };
+  // kAwByAll: one round per head of the batch (the solve, P and Aw of head h); otherwise one
+  // round for the whole batch.
+  for (int round = 0; round < (kAwByAll ? nb : 1); ++round) {
+    const int h_lo = kAwByAll ? round : 0, h_hi = kAwByAll ? round + 1 : nb;
+    if constexpr (kSolveHeadsAtOnce) {
+      // P first, by every thread: head 1's X takes the Q K^T tile. Then warp pair h solves
+      // head h with named barrier 1 + h (barrier 0 is __syncthreads) and streams its Aw.
+      write_p(h_lo, h_hi, 0);
+      __syncthreads();
+      const int h = tid / kChunk, c = tid % kChunk;
+      if (h < nb) {
+        float* extra_x = reinterpret_cast<float*>(smem_raw + Cfg::ExtraXOffset);
+        float* xt = h == 0 ? ss.kk : (h == 1 ? ss.qk_tile() : extra_x + (h - 2) * kChunk * kPrepPad);
+        solve_mma::solve_into<kPrepPad>(ss.kk, xt, ss.beta[h], c, 1 + h);
+        for_each_in_x_column<kPrepPad>(xt, c, aw_column_store(h, c));
+      }
+    } else if constexpr (kTensorCoreSolve) {
+      // Exactly threads 0..63 get here: the 64 threads that named barrier 1 inside the solve
+      // waits for. No other thread of the CTA may use barrier 1.
+      static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
+      if (tid < kChunk) {
+        const int c = tid;
+        for (int h = h_lo; h < h_hi; ++h) {
+          if (h > h_lo) solve_mma::sync64();
+          solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
+          if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
+        }
+      }
+    } else {
+      const int h = tid / kChunk, c = tid % kChunk;
+      if (h < nb) {
+        const float* bet = ss.beta[h];
+        float x[kChunk];
+        // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
+        // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
+        auto solve_from = [&](auto first_row) {
+          constexpr int I0 = decltype(first_row)::value;
+          CUTE_UNROLL
+          for (int i = 0; i < I0; ++i) x[i] = 0.f;
+          CUTE_UNROLL
+          for (int i = I0; i < kChunk; ++i) {
+            const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+            float part[4] = {0.f, 0.f, 0.f, 0.f};
+            CUTE_UNROLL
+            for (int j4 = I0; j4 < i; j4 += 4) {
+              const float4 kk = row[j4 / 4];
+              const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
+              CUTE_UNROLL
+              for (int t = 0; t < 4; ++t)
+                if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
+            }
+            const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
+            x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
+          }
+        };
+        if (c >= kChunk / 2) {
+          solve_from(Int<kChunk / 2>{});
+        } else {
+          solve_from(Int<0>{});
+        }
+        const auto store_aw = aw_column_store(h, c);
+        CUTE_UNROLL
+        for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
+      }
+    }
+
+    // 5. P (above). When the solve leaves threads idle (fewer v-heads than a batch holds: one
+    //    per q/k head on 16/16 with 128 threads, two on 16/32 with 256), those threads write
+    //    all of P while the others solve, which takes P off the item's critical path;
+    //    otherwise every thread writes its share after its column.
+    const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
+    const int p_threads = Threads - p_first, ptid = tid - p_first;
+    if constexpr (!kSolveHeadsAtOnce) write_p(h_lo, h_hi, p_first);
+    if constexpr (Cfg::QkInQ) {
+      // The last batch's P has read Q K^T: once every P thread is past it, the q tile is free
+      // for the next item (the proxy fence orders these generic reads before the TMA's writes).
+      if (hb + HeadBatch >= G && h_hi == nb && ptid >= 0) {
+        cutlass::arch::fence_view_async_shared();
+        asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
+        if (ptid == 0 && next < args.num_items) issue_next_q_load();
+      }
+    }
+    if constexpr (kAwByAll) {
+      __syncthreads();  // X is complete in K K^T's upper triangle
+      const int c = tid % kChunk;
+      for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(h_lo, c), tid / kChunk);
+      if (h_hi < nb) __syncthreads();  // X read before the next head's solve overwrites it
+    }
+  }  // round
+}
+
+// The prep's gates: per item and v-head, the gates and betas of its 64 rows, in-chunk scanned into
+// ss.gamma / ss.beta by one warp per v-head of a head batch (the first batch's copied ahead, during
+// the previous item).
+template <class Cfg, int Hv, int G>
+struct PrepGates {
+  static constexpr int HeadBatch = Cfg::HeadBatch;
+  const PrepArgs<Cfg>& args;
+  typename Cfg::SharedStorage& ss;
+  int tid;
+  // Gates of rows [2 lane, 2 lane + 1] of v-head (hb + warp) of an item: padding rows get g = 0, b = 0.
+  __device__ __forceinline__ const float* gate_source(const PrepItem& it, int hb, int t, const float* base) const {
+    const int warp = tid / 32, lane = tid % 32, i = 2 * lane + t;
+    const int64_t tok = it.range.start + it.chunk * kChunk + i;
+    return i < it.range.rows_in_chunk(it.chunk) ? base + tok * Hv + it.hqk * G + hb + warp : nullptr;
+  }
+  // The next item's first-batch gates, copied to shared memory without stalling this thread.
+  __device__ __forceinline__ void prefetch_gates(const PrepItem& it) const {
+    const int warp = tid / 32, lane = tid % 32;
+    if (warp < min(HeadBatch, G)) {
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        // A padding row's copy reads nothing (zero-fill) from a valid stand-in address.
+        const float* g = gate_source(it, 0, t, args.g);
+        const float* b = gate_source(it, 0, t, args.beta);
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(g ? *g : *args.g, ss.g_next[warp][2 * lane + t], g != nullptr);
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b ? *b : *args.beta, ss.beta_next[warp][2 * lane + t],
+                                                     b != nullptr);
+      }
+    }
+    cute::cp_async_fence();
+  }
+  // In-chunk cumulative log-decay and beta of head batch hb into shared memory (warps < nb).
+  __device__ __forceinline__ void scan_gates(int nb, const float (&g)[2], const float (&b)[2]) const {
+    const int warp = tid / 32, lane = tid % 32;
+    if (warp < nb) {
+      const float pair = g[0] + g[1];
+      float incl = pair;
+      for (int o = 1; o < 32; o <<= 1) {
+        const float up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+      }
+      const float excl = incl - pair;
+      ss.gamma[warp][2 * lane] = excl + g[0];
+      ss.gamma[warp][2 * lane + 1] = excl + g[0] + g[1];
+      ss.beta[warp][2 * lane] = b[0];
+      ss.beta[warp][2 * lane + 1] = b[1];
+    }
+  }
+  // Step 0: the first head batch's gates, copied during the previous item, scanned. Each thread
+  // reads only what it copied itself, so waiting for its own copies is enough.
+  __device__ __forceinline__ void scan_prefetched() const {
+    cp_async_wait_all_then_access();
+    const int warp = tid / 32, lane = tid % 32;
+    float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
+    if (warp < min(HeadBatch, G)) {
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        g[t] = ss.g_next[warp][2 * lane + t];
+        b[t] = ss.beta_next[warp][2 * lane + t];
+      }
+    }
+    scan_gates(min(HeadBatch, G), g, b);
+  }
+  // Step 3: a later head batch's gates (more than Threads / 64 v-heads per q/k head), loaded and scanned.
+  __device__ __forceinline__ void load_and_scan(const PrepItem& it, int hb, int nb) const {
+    float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
+    if (tid / 32 < nb) {
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        const float* gs = gate_source(it, hb, t, args.g);
+        const float* bs = gate_source(it, hb, t, args.beta);
+        g[t] = gs ? *gs : 0.f;
+        b[t] = bs ? *bs : 0.f;
+      }
+    }
+    scan_gates(nb, g, b);
+  }
+};
+
 template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
 __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads>::CtasPerSm))
     gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfig<Elem, Hqk, HeadK, Threads>> args) {
@@ -281,7 +609,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
   using LoadBarrier = cutlass::arch::ClusterTransactionBarrier;
-  static_assert(HeadK == 128, "one lane holds four of the 128 columns");
+  static_assert(HeadK % 64 == 0 && HeadK <= 256, "q/k tile rows are whole 128-byte swizzle atoms (K = 64, 128 or 256)");
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
 
@@ -324,58 +652,18 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(0, it.hqk));
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
     LoadBarrier::arrive_and_expect_tx(&ss.loaded, Cfg::TileTxBytes);
-    if constexpr (prep_runs(kAblateQ)) {
-      if (q_too) issue_q_load(it);
-    }
+    if (q_too) issue_q_load(it);
     auto [tk, sk] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     copy(args.tma_k.with(ss.loaded), tk, sk);
   };
+  const PrepGates<Cfg, Hv, G> gates{args, ss, tid};
 
-  // Gates of rows [2 lane, 2 lane + 1] of v-head (hb + warp) of an item: padding rows get g = 0, b = 0.
-  auto gate_source = [&](const PrepItem& it, int hb, int t, const float* base) -> const float* {
-    const int warp = tid / 32, lane = tid % 32, i = 2 * lane + t;
-    const int64_t tok = it.range.start + it.chunk * kChunk + i;
-    return i < it.range.rows_in_chunk(it.chunk) ? base + tok * Hv + it.hqk * G + hb + warp : nullptr;
-  };
-  // The next item's first-batch gates, copied to shared memory without stalling this thread.
-  auto prefetch_gates = [&](const PrepItem& it) {
-    const int warp = tid / 32, lane = tid % 32;
-    if (warp < min(HeadBatch, G)) {
-      CUTE_UNROLL
-      for (int t = 0; t < 2; ++t) {
-        // A padding row's copy reads nothing (zero-fill) from a valid stand-in address.
-        const float* g = gate_source(it, 0, t, args.g);
-        const float* b = gate_source(it, 0, t, args.beta);
-        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(g ? *g : *args.g, ss.g_next[warp][2 * lane + t], g != nullptr);
-        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b ? *b : *args.beta, ss.beta_next[warp][2 * lane + t],
-                                                     b != nullptr);
-      }
-    }
-    cute::cp_async_fence();
-  };
-  // In-chunk cumulative log-decay and beta of head batch hb into shared memory (warps < nb).
-  auto scan_gates = [&](int nb, const float (&g)[2], const float (&b)[2]) {
-    const int warp = tid / 32, lane = tid % 32;
-    if (warp < nb) {
-      const float pair = g[0] + g[1];
-      float incl = pair;
-      for (int o = 1; o < 32; o <<= 1) {
-        const float up = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += up;
-      }
-      const float excl = incl - pair;
-      ss.gamma[warp][2 * lane] = excl + g[0];
-      ss.gamma[warp][2 * lane + 1] = excl + g[0] + g[1];
-      ss.beta[warp][2 * lane] = b[0];
-      ss.beta[warp][2 * lane + 1] = b[1];
-    }
-  };
 
   int64_t item = next_valid_item<Hqk>(args, blockIdx.x, cu);
   if (item < args.num_items) {
     const PrepItem first = prep_item<Hqk>(args, item, cu);
     if (tid == 0) issue_loads(first, true);
-    prefetch_gates(first);
+    gates.prefetch_gates(first);
     if (tid == 0) item_slots[0].it = first;
   }
   __syncthreads();  // slot 0 holds the first item
@@ -396,109 +684,16 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
 
     // 0. The first head batch's gates (copied during the previous item) -> gamma, beta. Each
     //    thread reads only what it copied itself, so waiting for its own copies is enough.
-    {
-      cp_async_wait_all_then_access();
-      const int warp = tid / 32, lane = tid % 32;
-      float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
-      if (warp < min(HeadBatch, G)) {
-        CUTE_UNROLL
-        for (int t = 0; t < 2; ++t) {
-          g[t] = ss.g_next[warp][2 * lane + t];
-          b[t] = ss.beta_next[warp][2 * lane + t];
-        }
-      }
-      scan_gates(min(HeadBatch, G), g, b);
-    }
+    gates.scan_prefetched();
 
     mbarrier_wait(&ss.loaded, phase);
 
-    // 1. Rows past the sequence end (another sequence's tokens) become zeros; with l2norm, rows are
-    //    normalised in place and also written out for the sequential kernel's TMA loads.
+    // 1. Tail rows to zeros, in-kernel l2norm; 2. K K^T and Q K^T.
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
-    if (args.use_qk_l2norm || L < kChunk) {
-      const int warp = tid / 32, lane = tid % 32, d0 = lane * 4;
-      for (int r = warp; r < kChunk; r += Threads / 32) {
-        if (r >= L) {
-          for (int i = 0; i < 4; ++i) sQ(r, d0 + i) = sK(r, d0 + i) = Elem(0.f);
-          continue;
-        }
-        if (!args.use_qk_l2norm) continue;
-        float qv[4], kv[4], sq = 0.f, sk = 0.f;
-        for (int i = 0; i < 4; ++i) {
-          qv[i] = float(sQ(r, d0 + i));
-          kv[i] = float(sK(r, d0 + i));
-          sq += qv[i] * qv[i];
-          sk += kv[i] * kv[i];
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, o);
-          sk += __shfl_xor_sync(0xffffffffu, sk, o);
-        }
-        const float rq = rsqrtf(sq + 1e-6f), rk = rsqrtf(sk + 1e-6f);
-        for (int i = 0; i < 4; ++i) {
-          qv[i] *= rq;
-          kv[i] *= rk;
-          sQ(r, d0 + i) = Elem(qv[i]);
-          sK(r, d0 + i) = Elem(kv[i]);
-        }
-        // Packed 8-byte stores: nvcc 13.0 lowered a byte-wise memcpy of these 16-bit elements
-        // into float-to-integer conversions (F2I.U8.F16 in the SASS), corrupting the copy.
-        const int64_t off = ((tok0 + r) * Hqk + hqk) * int64_t(HeadK) + d0;
-        store_global_8(static_cast<Elem*>(args.q_normed) + off, pack2<Elem>(qv[0], qv[1]), pack2<Elem>(qv[2], qv[3]));
-        store_global_8(static_cast<Elem*>(args.k_normed) + off, pack2<Elem>(kv[0], kv[1]), pack2<Elem>(kv[2], kv[3]));
-      }
-      cutlass::arch::fence_view_async_shared();  // generic stores, read by wgmma (async proxy)
-    }
+    prepare_qk_rows<Elem, Hqk, HeadK, Threads>(args, sQ, sK, tid, L, tok0, hqk);
     __syncthreads();
-
-    // 2. K K^T and Q K^T on the tensor cores, into fp32 tiles: one per warp group with two; with
-    //    one, both products in flight at once (one wait).
-    if constexpr (prep_runs(kAblateGemms)) {
-      typename Cfg::Mma mma;
-      auto thr = mma.get_thread_slice(tid % 128);
-      Tensor tB = thr.partition_fragment_B(sK);
-      Tensor crd = thr.partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<kChunk>>{}));
-      auto store_tile = [&](auto& acc, float* out, auto in_q) {
-        // accumulator values e, e + 1 are neighbouring columns (tests/test_fragment_layout.py):
-        // one 8-byte store per pair
-        CUTE_UNROLL
-        for (int e = 0; e < size(acc); e += 2)
-          *reinterpret_cast<float2*>(out + qk_offset<decltype(in_q)::value>(get<0>(crd(e)), get<1>(crd(e)))) =
-              make_float2(acc(e), acc(e + 1));
-      };
-      if constexpr (Threads == 128) {
-        Tensor tAk = thr.partition_fragment_A(sK);
-        Tensor tAq = thr.partition_fragment_A(sQ);
-        Tensor acc_k = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
-        Tensor acc_q = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
-        warpgroup_fence_operand(acc_k);
-        warpgroup_fence_operand(acc_q);
-        warpgroup_arrive();
-        wgmma_gemm(mma, tAk, tB, acc_k, true);
-        if constexpr (prep_runs(kAblateQ)) wgmma_gemm(mma, tAq, tB, acc_q, true);
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_k);
-        warpgroup_fence_operand(acc_q);
-        store_tile(acc_k, ss.kk, false_type{});
-        if constexpr (Cfg::QkInQ) __syncthreads();  // every warp's GEMMs have read q
-        if constexpr (prep_runs(kAblateQ)) store_tile(acc_q, ss.qk_tile(), bool_constant<Cfg::QkInQ>{});
-      } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
-        const bool kk_gemm = tid < 128;
-        if (kk_gemm || prep_runs(kAblateQ)) {
-          Tensor tA = thr.partition_fragment_A(kk_gemm ? sK : sQ);
-          Tensor acc = partition_fragment_C(mma, Shape<Int<kChunk>, Int<kChunk>>{});
-          warpgroup_fence_operand(acc);
-          warpgroup_arrive();
-          wgmma_gemm(mma, tA, tB, acc, true);
-          warpgroup_commit_batch();
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(acc);
-          store_tile(acc, kk_gemm ? ss.kk : ss.qk_tile(), false_type{});
-        }
-      }
-    }
+    qk_products<Cfg>(ss, sQ, sK, tid);
     __syncthreads();
     // The tiles and the gate buffers are free now (the GEMMs and step 0 were their last readers):
     // the next item's loads run during the solve.
@@ -506,184 +701,19 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     if (next < args.num_items) {
       const PrepItem upcoming = item_slots[phase ^ 1u].it;
       if (tid == 0) issue_loads(upcoming, !Cfg::QkInQ);
-      prefetch_gates(upcoming);
+      gates.prefetch_gates(upcoming);
     }
 
     for (int hb = 0; hb < G; hb += HeadBatch) {
       const int nb = min(HeadBatch, G - hb);
       // 3. Later head batches (more than Threads / 64 v-heads per q/k head) load their gates here.
       if (hb > 0) {
-        float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
-        if (tid / 32 < nb) {
-          CUTE_UNROLL
-          for (int t = 0; t < 2; ++t) {
-            const float* gs = gate_source(it, hb, t, args.g);
-            const float* bs = gate_source(it, hb, t, args.beta);
-            g[t] = gs ? *gs : 0.f;
-            b[t] = bs ? *bs : 0.f;
-          }
-        }
-        scan_gates(nb, g, b);
+        gates.load_and_scan(it, hb, nb);
         __syncthreads();
       }
 
-      // 4. A0 for each head of the batch. On the tensor cores (gdn_prep_solve_mma.cuh) with one
-      //    v-head per q/k head, and with several when the CTA has 128 threads: threads 0..63 solve
-      //    the batch's heads one after another by 16 x 16 blocks while threads 64.. write P. X lands
-      //    in K K^T's upper triangle, column c of X in row c of the tile (16-byte loads,
-      //    conflict-free within each quarter warp), streamed to Aw without holding the column in
-      //    registers (with one or two heads, by all 128 threads after the solve: kAwByAll); K K^T's
-      //    lower triangle stays, so each head's X overwrites the previous one's once every column
-      //    of it has been stored. With several heads this took 16/32's prep from
-      //    0.347 ms (128 threads, a column per thread and head) to 0.298 on 1x32768 and from 0.106
-      //    to 0.089 on 1024x8, ahead of 256 threads' 0.335 and 0.121 (kernel-notes, twelfth session).
-      //    With 256 threads and more than four v-heads per q/k head (several head batches, whose
-      //    K K^T and Q K^T tiles the solve at once below would overwrite), one column per thread
-      //    (head h = tid / 64, column c = tid % 64), by forward substitution in registers:
-      //    x_i = -b_i sum_{j < i} (k_i . k_j) x_j for i > c, x_c = 1. Columns are independent, so
-      //    no barrier; the warp reads the same K K^T row (a broadcast). Then
-      //    Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c, each warp storing 32 adjacent columns of a row.
-      constexpr bool kTensorCoreSolve = (G == 1 || Threads == 128) && prep_runs(kAblateSolve);
-      // With one or two v-heads per q/k head, all 128 threads write Aw once a head's solve is done
-      // (two per column, 32 rows each) instead of the 64 solving ones while the other 64, done with
-      // P, wait; with two, one head per round (threads 0..63 solve head h while 64..127 write its
-      // P, then all write its Aw). Prep on 8192x4: 16/16 0.203 -> 0.177 ms, 16/32 0.291 -> 0.284;
-      // with three (8/24) the rounds lost 2-6% (kernel-notes, fourteenth session).
-      constexpr bool kAwByAll = kTensorCoreSolve && Threads == 128 && G <= 2;
-      // With 256 threads and two to four v-heads per q/k head (one head batch: 2/8, 4/16, 8/32), the
-      // four warp pairs solve their heads at once on the tensor cores, each into an X tile of its
-      // own: head 0's in K K^T's upper triangle, head 1's in the Q K^T tile (P is written first, by
-      // all threads), heads 2 and 3 in the two tiles after the item slots. It replaced a column per
-      // thread in registers (forward substitution, below), whose FFMAs were 2549 of the 2/8 prep's
-      // 7152 SASS instructions: prep 0.252 -> 0.208 ms on 8/32 1x32768, 0.069 -> 0.061 on 8/32
-      // 1024x8, 0.130 -> 0.108 on 4/16 1x32768 (twentieth session). 128 threads, which solve the
-      // heads one after another, are 1-4% faster than this on 1x32768 and 8192x4 and 2-20% slower
-      // on 1024x8 (kernel-notes).
-      constexpr bool kSolveHeadsAtOnce = Threads == 256 && G > 1 && G <= HeadBatch && prep_runs(kAblateSolve);
-      // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
-      // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc put each
-      // exponential of a selected result behind its own branch, so the steps ran one after another
-      // (a variant that staged Aw in shared memory: prep 0.271 ms on 16/16 1x32768 with the result
-      // selected, 0.214 with the exponent; kernel-notes, tenth session).
-      auto aw_column_store = [&](int h, int c) {
-        const int hv = hqk * G + hb + h;
-        Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-        const float* gam = ss.gamma[h];
-        const float gc = gam[c], bc = ss.beta[h][c];
-        return [=](int i, float xi) {
-          if constexpr (prep_runs(kAblateAwOut)) {
-            const float d = i < L && c <= i ? gam[i] - gc : -INFINITY;
-            aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
-          }
-        };
-      };
-      // 5. P with the decay mask (store_p_octet), and the slot's gamma row, for heads [h_lo, h_hi)
-      //    of the batch by threads p_first.. of the CTA. P reads only the Q K^T tile and the gates.
-      auto write_p = [&](int h_lo, int h_hi, int p_first) {
-        const int p_threads = Threads - p_first, ptid = tid - p_first;
-        for (int h = h_lo; h < (prep_runs(kAblatePOut) && prep_runs(kAblateQ) && ptid >= 0 ? h_hi : h_lo); ++h) {
-          const int hv = hqk * G + hb + h;
-          const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-          const float* gam = ss.gamma[h];
-          Elem* pm = static_cast<Elem*>(args.p) + base;
-          for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
-            store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
-          if (ptid < kChunk)
-            args.gamma[int64_t(hv) * args.num_slots * kChunk + slot * kChunk + ptid] = gam[min(ptid, L - 1)];
-        }
-      };
-      // kAwByAll: one round per head of the batch (the solve, P and Aw of head h); otherwise one
-      // round for the whole batch.
-      for (int round = 0; round < (kAwByAll ? nb : 1); ++round) {
-        const int h_lo = kAwByAll ? round : 0, h_hi = kAwByAll ? round + 1 : nb;
-        if constexpr (kSolveHeadsAtOnce) {
-          // P first, by every thread: head 1's X takes the Q K^T tile. Then warp pair h solves
-          // head h with named barrier 1 + h (barrier 0 is __syncthreads) and streams its Aw.
-          write_p(h_lo, h_hi, 0);
-          __syncthreads();
-          const int h = tid / kChunk, c = tid % kChunk;
-          if (h < nb) {
-            float* extra_x = reinterpret_cast<float*>(smem_raw + Cfg::ExtraXOffset);
-            float* xt = h == 0 ? ss.kk : (h == 1 ? ss.qk_tile() : extra_x + (h - 2) * kChunk * kPrepPad);
-            solve_mma::solve_into<kPrepPad>(ss.kk, xt, ss.beta[h], c, 1 + h);
-            for_each_in_x_column<kPrepPad>(xt, c, aw_column_store(h, c));
-          }
-        } else if constexpr (kTensorCoreSolve) {
-          // Exactly threads 0..63 get here: the 64 threads that named barrier 1 inside the solve
-          // waits for. No other thread of the CTA may use barrier 1.
-          static_assert(kChunk == 64 && Threads >= 128, "the blocked solve runs on the CTA's first 64 threads");
-          if (tid < kChunk) {
-            const int c = tid;
-            for (int h = h_lo; h < h_hi; ++h) {
-              if (h > h_lo) solve_mma::sync64();
-              solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-              if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
-            }
-          }
-        } else {
-          const int h = tid / kChunk, c = tid % kChunk;
-          if (h < nb) {
-            const float* bet = ss.beta[h];
-            float x[kChunk];
-            // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
-            // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
-            auto solve_from = [&](auto first_row) {
-              constexpr int I0 = decltype(first_row)::value;
-              CUTE_UNROLL
-              for (int i = 0; i < I0; ++i) x[i] = 0.f;
-              CUTE_UNROLL
-              for (int i = I0; i < kChunk; ++i) {
-                const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-                CUTE_UNROLL
-                for (int j4 = I0; j4 < i; j4 += 4) {
-                  const float4 kk = row[j4 / 4];
-                  const float kv[4] = {kk.x, kk.y, kk.z, kk.w};
-                  CUTE_UNROLL
-                  for (int t = 0; t < 4; ++t)
-                    if (j4 + t < i) part[t] = fmaf(kv[t], x[j4 + t], part[t]);
-                }
-                const float solved = -bet[i] * ((part[0] + part[1]) + (part[2] + part[3]));
-                x[i] = i < c ? 0.f : (i == c ? 1.f : solved);
-              }
-            };
-            if constexpr (!prep_runs(kAblateSolve)) {
-              CUTE_UNROLL
-              for (int i = 0; i < kChunk; ++i) x[i] = i == c ? 1.f : 0.f;
-            } else if (c >= kChunk / 2) {
-              solve_from(Int<kChunk / 2>{});
-            } else {
-              solve_from(Int<0>{});
-            }
-            const auto store_aw = aw_column_store(h, c);
-            CUTE_UNROLL
-            for (int i = 0; i < kChunk; ++i) store_aw(i, x[i]);
-          }
-        }
-
-        // 5. P (above). When the solve leaves threads idle (fewer v-heads than a batch holds: one
-        //    per q/k head on 16/16 with 128 threads, two on 16/32 with 256), those threads write
-        //    all of P while the others solve, which takes P off the item's critical path;
-        //    otherwise every thread writes its share after its column.
-        const int p_first = kTensorCoreSolve ? kChunk : (nb * kChunk < Threads ? nb * kChunk : 0);
-        const int p_threads = Threads - p_first, ptid = tid - p_first;
-        if constexpr (!kSolveHeadsAtOnce) write_p(h_lo, h_hi, p_first);
-        if constexpr (Cfg::QkInQ) {
-          // The last batch's P has read Q K^T: once every P thread is past it, the q tile is free
-          // for the next item (the proxy fence orders these generic reads before the TMA's writes).
-          if (hb + HeadBatch >= G && h_hi == nb && ptid >= 0) {
-            cutlass::arch::fence_view_async_shared();
-            asm volatile("bar.sync 2, %0;" ::"r"(p_threads) : "memory");
-            if (ptid == 0 && next < args.num_items) issue_q_load(item_slots[phase ^ 1u].it);
-          }
-        }
-        if constexpr (kAwByAll) {
-          __syncthreads();  // X is complete in K K^T's upper triangle
-          const int c = tid % kChunk;
-          for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(h_lo, c), tid / kChunk);
-          if (h_hi < nb) __syncthreads();  // X read before the next head's solve overwrites it
-        }
-      }  // round
+      solve_head_batch<Elem, Hqk, Hv, HeadK, Threads>(args, ss, smem_raw, tid, hqk, hb, nb, slot, L, next,
+                                                      [&] { issue_q_load(item_slots[phase ^ 1u].it); });
       __syncthreads();
     }
 
@@ -693,8 +723,8 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   }
 
   // 6. A context-parallel call's job rows (plan_cp_jobs), which read only the call's inputs: this
-  //    saves the launch of a kernel of their own (about 3.3 us of host time per call on the H200's
-  //    hosts). The CTAs take them from the last one back; those had at most as many items.
+  //    saves the launch of a kernel of their own (its host time: docs/kernel-notes.md). The CTAs
+  //    take them from the last one back; those had at most as many items.
   const int64_t cp_rows = args.cp.num_segments * Hv;
   for (int64_t row = int64_t(gridDim.x) - 1 - blockIdx.x; row < cp_rows; row += gridDim.x)
     plan_cp_jobs<Elem, Hqk, Hv, HeadK, HeadK, Threads>(args.cp, row);

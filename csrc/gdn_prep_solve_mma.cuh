@@ -20,10 +20,9 @@ namespace solve_mma {
 
 // A TF32 operand by truncation: x with its low 13 mantissa bits cleared is a valid tf32, one LOP3.
 // Rounding with cvt.rna.tf32.f32 instead costs about five SASS instructions each on sm_90a (a
-// range test, an add, a mask and selects): about 650 of the 16/16 prep's 4530. Truncating both
-// 3xTF32 parts leaves the products about 3 * 2^-20 relative error instead of about 3 * 2^-22, far
-// below Aw's bf16 rounding. Measured in the nineteenth session (scripts/prep_variants.py): the
-// tensor-core preps 0.86-0.96x the time, the oracle's error unchanged (docs/kernel-notes.md).
+// range test, an add, a mask and selects). Truncating both 3xTF32 parts leaves the products about
+// 3 * 2^-20 relative error instead of about 3 * 2^-22, far below Aw's bf16 rounding; the oracle's
+// error is unchanged (measurements: docs/kernel-notes.md).
 __device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) & 0xffffe000u; }
 
 // d += a b for one m16n8k8 tile. Fragments (PTX ISA, lane = 4 g + q):
