@@ -177,9 +177,11 @@ def host_key(q, v, state_v_first, warmup, warmup_eps, plan_name: str):
     return host_path.signature(q, v, state_v_first, warmup, warmup_eps, plan_name)
 
 
-@dataclass(frozen=True)
+@dataclass
 class BoundCall:
     """A call bound to its kernels: what a call signature settles before its tensors are looked at.
+    Not a frozen dataclass: torch.compile (torch 2.11) cannot trace the object.__setattr__ a
+    frozen dataclass's __init__ makes, and the op builds one while traced.
     The op's two entry points check their arguments, build one and call it (this module's
     chunk_gated_delta_rule from its `warmup` argument, a pack's from its calibration: packed_ops).
     The plan and the CP segment table are found by name in runtime's registry, so the custom op's
