@@ -20,22 +20,14 @@ from flashqla_tune.plan import KernelPlan, TileParams, default_plan
 from flashqla_tune.render import Renderer, csrc_dir
 from flashqla_tune.spec import GDNSpec
 
+from toolchain import needs_nvcc
+
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_TEMPLATES = FIXTURES / "templates"
 PLAN = default_plan(GDNSpec(2, 8))
 OTHER = KernelPlan(GDNSpec(2, 8), TileParams(block_v=128))
 
 
-def _have_toolchain() -> bool:
-    try:
-        environment.find_nvcc()
-        environment.cutlass_include_dir()
-        return True
-    except environment.ToolchainError:
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not _have_toolchain(), reason="needs nvcc and the nvidia-cutlass headers")
 compiles = [pytest.mark.slow, needs_nvcc]
 
 

@@ -24,20 +24,12 @@ import pytest
 from flashqla_tune import environment
 from flashqla_tune.render import csrc_dir
 
+from toolchain import needs_nvcc
+
 DIMS = (64, 128, 256)
 
 
-def _have_toolchain() -> bool:
-    try:
-        environment.find_nvcc()
-        environment.cutlass_include_dir()
-        return True
-    except environment.ToolchainError:
-        return False
-
-
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not _have_toolchain(), reason="needs nvcc and the nvidia-cutlass headers")]
+pytestmark = [pytest.mark.slow, needs_nvcc]
 
 HEADER = r'''
 #include "gdn_fwd_host.cuh"   // every collective: pipelines, forward, prep, CP planner and chain
