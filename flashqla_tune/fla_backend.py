@@ -17,7 +17,6 @@ OP_NAME = "gated_delta_rule"
 BACKEND_TYPE = "flashqla_tune"
 ENV_VAR = "FLA_FLASHQLA_TUNE"          # =0 disables the backend, as FLA's own switches do
 DEFAULT_PRIORITY = 2                   # ahead of FlashQLA (3)
-_IGNORED_KWARGS = ("chunk_indices",)   # FLA's chunk metadata; our kernels derive their own
 
 
 def cuda_arch(t: torch.Tensor) -> tuple[int, int] | None:
@@ -33,22 +32,15 @@ def _needs_grad(*tensors) -> bool:
 
 def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
-                state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, cp_context=None, *,
+                state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, *,
                 device_arch=cuda_arch, **kwargs) -> tuple[bool, str | None]:
-    """(True, None) when the pack can run this FLA call, else (False, why). Cheap, no side effects."""
-    if kwargs.get("use_gate_in_kernel"):
-        return False, "flashqla_tune packs take a precomputed g; use_gate_in_kernel comes with the porting work"
-    if use_beta_sigmoid_in_kernel:
-        return False, "flashqla_tune packs take beta as given; use_beta_sigmoid_in_kernel is not supported"
-    if allow_neg_eigval:
-        return False, "flashqla_tune packs need beta in [0, 2]; allow_neg_eigval is not supported"
-    if cp_context is not None:
-        return False, "flashqla_tune packs do not run FLA's inter-card context parallelism (cp_context)"
-    if "transpose_state_layout" in kwargs:
-        return False, "flashqla_tune packs do not take the deprecated transpose_state_layout (use state_v_first)"
-    unknown = sorted(set(kwargs) - set(_IGNORED_KWARGS) - {"use_gate_in_kernel"})
-    if unknown:
-        return False, f"flashqla_tune packs do not know the argument(s) {unknown}"
+    """(True, None) when the pack can run this FLA call (FLA's arguments, positional or not), else
+    (False, why): the options the op refuses, with the op's reasons (ops.check_options), then the
+    inputs, grad, device and the pack's plans. Cheap, no side effects."""
+    try:
+        op_checks.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
+    except (TypeError, ValueError) as exc:  # UnsupportedError is a ValueError
+        return False, str(exc)
     try:
         Hv = op_checks.check_shapes_and_types(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
                                               state_v_first)[3]
@@ -88,12 +80,14 @@ def backend_class(pack_ops, base: type, priority: int = DEFAULT_PRIORITY, device
         def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                    allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
-                                   cu_seqlens_cpu=None, cp_context=None, **kwargs):
-            # Verified already: the refused flags are False here. No layer index from FLA.
+                                   cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):
+            # Verified already; the pack's op checks the options again. No layer index from FLA.
             return self.pack_ops.chunk_gated_delta_rule(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
-                cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, layer=None)
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices, cp_context=cp_context, layer=None,
+                **kwargs)
 
     FlashQLATuneBackend.priority = priority
     FlashQLATuneBackend.pack_ops = pack_ops

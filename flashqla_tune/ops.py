@@ -1,6 +1,7 @@
 """flashqla_tune.ops.chunk_gated_delta_rule: the GDN forward on the Hopper kernels.
 
-FLA's argument names and order. Every check here runs on the host without synchronising
+FLA's argument names and positional order (options it cannot honour are refused by name:
+check_options). Every check here runs on the host without synchronising
 the GPU; cu_seqlens values are checked only when cu_seqlens_cpu is given (the kernels clamp
 offsets, so they never go out of bounds whatever cu_seqlens holds). The call is a
 torch.library custom op with a fake implementation, so torch.compile traces through it, and
@@ -105,6 +106,59 @@ def _check_offsets(cu_cpu, expected_len, total_tokens):
         raise ValueError(f"cu_seqlens ends at {values[-1]} but the inputs hold only T={total_tokens} tokens")
 
 
+CHUNK_SIZE = 64  # the kernels' chunk length in tokens
+
+# FLA's keyword options the op takes, with the one value each can honour
+FLA_KEYWORD_OPTIONS = {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None, "chunk_size": CHUNK_SIZE}
+
+_KNOWN_ELSEWHERE = {
+    "transpose_state_layout": "FLA's deprecated name of state_v_first: pass state_v_first",
+    "head_first": "FLA removed it: the layout is always [B,T,H,D]",
+}
+
+
+def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_indices=None, cp_context=None,
+                  kwargs=None, extra_known: dict[str, str] | None = None) -> None:
+    """Refuse, by name and value, an FLA option the kernels cannot honour (no GPU work, no sync).
+    kwargs holds the call's keyword options beyond the signature; extra_known maps a keyword a
+    caller of this op might pass to why it is refused there (a pack's op refuses warmup so)."""
+    kwargs = kwargs or {}
+    if kwargs.get("use_gate_in_kernel", False):
+        raise UnsupportedError(f"use_gate_in_kernel={kwargs['use_gate_in_kernel']!r} is not supported yet: pass g "
+                               f"as the precomputed log decay (-exp(A_log) * softplus(a + dt_bias))")
+    if use_beta_sigmoid_in_kernel:
+        raise UnsupportedError(f"use_beta_sigmoid_in_kernel={use_beta_sigmoid_in_kernel!r} is not supported yet: "
+                               f"pass beta after its sigmoid")
+    if allow_neg_eigval:
+        raise UnsupportedError(f"allow_neg_eigval={allow_neg_eigval!r} is not supported yet: the kernels take "
+                               f"beta as given (pass it already scaled, with allow_neg_eigval=False)")
+    if cp_context is not None:
+        raise UnsupportedError(f"cp_context={type(cp_context).__name__} is not supported: the kernels run "
+                               f"no inter-GPU context parallelism (pass cp_context=None)")
+    for name in ("A_log", "dt_bias"):
+        if kwargs.get(name) is not None:
+            raise UnsupportedError(f"{name} (a {type(kwargs[name]).__name__}) is not supported yet: it feeds the "
+                                   f"in-kernel gate (use_gate_in_kernel); pass g precomputed and {name}=None")
+    if "chunk_size" in kwargs:
+        size = kwargs["chunk_size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size != CHUNK_SIZE:
+            raise UnsupportedError(f"chunk_size={size!r} is not supported: the kernels run {CHUNK_SIZE}-token "
+                                   f"chunks (chunk_size={CHUNK_SIZE} only)")
+    if chunk_indices is not None:
+        if not isinstance(chunk_indices, torch.Tensor):
+            raise TypeError(f"chunk_indices must be None or FLA's [NT,2] tensor of (sequence, chunk) rows, got "
+                            f"{type(chunk_indices).__name__}")
+        if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2:
+            raise ValueError(f"chunk_indices shape {tuple(chunk_indices.shape)}, expected FLA's [NT,2] "
+                             f"(sequence, chunk) rows")
+    unknown = [name for name in kwargs if name not in FLA_KEYWORD_OPTIONS]
+    if unknown:
+        why = {**_KNOWN_ELSEWHERE, **(extra_known or {})}
+        name = unknown[0]
+        reason = why.get(name, f"the keyword options beyond the signature are {', '.join(FLA_KEYWORD_OPTIONS)}")
+        raise TypeError(f"chunk_gated_delta_rule() got an unexpected keyword argument {name!r} ({reason})")
+
+
 def check_grad(*tensors):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
@@ -137,24 +191,38 @@ def _spec(hqk, hv, k, v, bf16, vk) -> GDNSpec:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
-                           cu_seqlens_cpu=None, warmup=None, warmup_eps=warmup_tables.DEFAULT_EPS):
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, *, warmup=None, warmup_eps=warmup_tables.DEFAULT_EPS, **kwargs):
     """Returns (o [B,T,Hv,V] in q's dtype, final_state fp32 [N,Hv,K,V] / [N,Hv,V,K] or None).
 
-    warmup: per v-head warm-up windows in chunks (a CPU int tensor or a list; -1 chains that head
-    exactly), usually a calibration's table. With it, long sequences are cut into segments that
-    run in parallel (context parallelism); a segment of a warm-up head starts from the state of its
-    window run from zero, which is used only where the input's gates decay below warmup_eps over
-    the window (and 0 <= beta ||k||^2 <= 2); everywhere else the state is chained exactly. Without
-    it, every head gets the default window (warmup_tables.DEFAULT_WINDOW_CHUNKS), still guarded;
-    all -1 is exact chaining. Whether and where a sequence is cut depends only on its own length (the
-    cost model's table), so short sequences and many-head calls run as one chain each.
+    FLA's chunk_gated_delta_rule arguments, names and positional order. FLA's keyword options
+    arrive through kwargs: chunk_size=64 (the kernels' chunk length; any other value is refused),
+    use_gate_in_kernel=False, A_log=None, dt_bias=None. Refused by name before any GPU work, on
+    both host paths (check_options): use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+    use_gate_in_kernel=True, A_log or dt_bias (the in-kernel gate and beta are not supported yet:
+    pass g as the log decay and beta after its sigmoid), a cp_context (no inter-GPU context
+    parallelism), and any other keyword (a TypeError). chunk_indices is FLA's [NT,2] table of
+    (sequence, chunk) rows, derived from cu_seqlens and the chunk size; the kernels derive the
+    same chunks from cu_seqlens on the device, so it is checked for form and not read.
+
+    warmup (keyword only): per v-head warm-up windows in chunks (a CPU int tensor or a list; -1
+    chains that head exactly), usually a calibration's table. With it, long sequences are cut into
+    segments that run in parallel (context parallelism); a segment of a warm-up head starts from the
+    state of its window run from zero, which is used only where the input's gates decay below
+    warmup_eps over the window (and 0 <= beta ||k||^2 <= 2); everywhere else the state is chained
+    exactly. Without it, every head gets the default window (warmup_tables.DEFAULT_WINDOW_CHUNKS),
+    still guarded; all -1 is exact chaining. Whether and where a sequence is cut depends only on its
+    own length (the cost model's table), so short sequences and many-head calls run as one chain each.
 
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten.
 
     Eager calls go through the C++ host path (host_path) once a call of the same signature has run
     here and the extension is loaded (it builds in the background); it launches the same library
     with the same arguments."""
+    if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
+            or chunk_indices is not None or cp_context is not None):
+        check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
     key = host_key(q, v, state_v_first, warmup, warmup_eps, "")
     fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)

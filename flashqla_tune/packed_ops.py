@@ -29,6 +29,8 @@ from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_bina
 from .plan import KernelPlan, kernel_spec
 
 _AUTO = object()
+_PACK_KEYWORDS = {name: "a pack's calls take the warm-up table and eps from its calibration: pass layer="
+                  for name in ("warmup", "warmup_eps")}
 
 
 def check_target(manifest: Manifest, gpu, pack) -> None:
@@ -127,10 +129,17 @@ class PackOps:
         return bound
 
     def chunk_gated_delta_rule(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                               use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
-                               cu_seqlens_cpu=None, layer: int | None = None):
-        """flashqla_tune.ops.chunk_gated_delta_rule on the pack's plan for this call's heads.
+                               use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                               allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                               chunk_indices=None, cp_context=None, *, layer: int | None = None, **kwargs):
+        """flashqla_tune.ops.chunk_gated_delta_rule on the pack's plan for this call's heads, with
+        the op's arguments and options (ops.check_options refuses the same ones, by name) and
+        layer (keyword only) in place of warmup/warmup_eps: the table and eps are the calibration's.
         Returns (o [B,T,Hv,V], final_state fp32 or None)."""
+        if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
+                or chunk_indices is not None or cp_context is not None):
+            ops.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,
+                              _PACK_KEYWORDS)
         values = self._table_values.get(layer) if type(layer) is not bool else None
         key = ops.host_key(q, v, state_v_first, values, self.warmup_eps, self._host_tag) if values else None
         fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,

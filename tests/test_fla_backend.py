@@ -34,7 +34,7 @@ def args(hqk=2, hv=8, T=6, dtype=torch.bfloat16, K=128, V=128):
 def test_verifier_accepts_what_the_pack_runs(pack_ops):
     assert verify_call(pack_ops, *args(), use_qk_l2norm_in_kernel=True, device_arch=FakeHopper) == (True, None)
     assert verify_call(pack_ops, *args(8, 8), output_final_state=True, device_arch=FakeHopper,
-                       chunk_indices=torch.zeros(3)) == (True, None)
+                       chunk_indices=torch.zeros(1, 2, dtype=torch.int64), chunk_size=64) == (True, None)
 
 
 @pytest.mark.parametrize("call, reason", [
@@ -43,7 +43,11 @@ def test_verifier_accepts_what_the_pack_runs(pack_ops):
     (lambda: (args(), {"allow_neg_eigval": True}), "allow_neg_eigval"),
     (lambda: (args(), {"cp_context": object()}), "cp_context"),
     (lambda: (args(), {"transpose_state_layout": True}), "transpose_state_layout"),
-    (lambda: (args(), {"head_first": False}), "['head_first']"),
+    (lambda: (args(), {"head_first": False}), "unexpected keyword argument 'head_first'"),
+    (lambda: (args(), {"chunk_size": 32}), "chunk_size=32"),
+    (lambda: (args(), {"A_log": torch.zeros(8)}), "A_log"),
+    (lambda: (args(), {"dt_bias": torch.zeros(8)}), "dt_bias"),
+    (lambda: (args(), {"chunk_indices": torch.zeros(3)}), "chunk_indices shape (3,)"),
     (lambda: (args(dtype=torch.float32), {}), "torch.float32"),
     (lambda: (args(K=64), {}), "K=64"),
     (lambda: (args(V=256), {}), "V=256"),
@@ -55,6 +59,21 @@ def test_verifier_refuses_with_a_reason(pack_ops, call, reason):
     a, kw = call()
     ok, why = verify_call(pack_ops, *a, device_arch=FakeHopper, **kw)
     assert not ok and reason in why
+
+
+def test_verifier_takes_flas_positional_order(pack_ops):
+    """FLA's dispatch hands the verifier the caller's arguments as they came: a positional call
+    in FLA's order reaches the same parameters (chunk_indices before cp_context)."""
+    q, k, v, g, beta = args()
+    fla_order = [q, k, v, g, beta, None, None, False, True, False, False, False, None, None,
+                 torch.zeros(1, 2, dtype=torch.int64), None]
+    assert verify_call(pack_ops, *fla_order, device_arch=FakeHopper) == (True, None)
+    for index, value, reason in ((9, True, "use_beta_sigmoid_in_kernel=True"), (10, True, "allow_neg_eigval=True"),
+                                 (11, True, "state vk"), (15, object(), "cp_context=object")):
+        call = list(fla_order)
+        call[index] = value
+        ok, why = verify_call(pack_ops, *call, device_arch=FakeHopper)
+        assert not ok and reason in why, (index, why)
 
 
 def test_verifier_refuses_grad_and_other_devices(pack_ops):
@@ -90,6 +109,14 @@ def test_dispatch_through_the_registry_ahead_of_flashqla(pack_ops, monkeypatch):
     fla_fn = fla.dispatch("gated_delta_rule", chunk_gated_delta_rule)
     assert fla_fn(*args(), use_qk_l2norm_in_kernel=True) == "pack result"
     assert seen["layer"] is None and seen["use_qk_l2norm_in_kernel"] is True
+    # a positional call in FLA's order, with FLA's keyword options, reaches the pack's op by name
+    cu, cu_cpu, indices = torch.tensor([0, 6]), torch.tensor([0, 6]), torch.zeros(1, 2, dtype=torch.int64)
+    seen.clear()
+    assert fla_fn(*args(), 0.5, None, True, True, False, False, False, cu, cu_cpu, indices, None,
+                  chunk_size=64, use_gate_in_kernel=False) == "pack result"
+    assert (seen["scale"], seen["output_final_state"], seen["use_qk_l2norm_in_kernel"]) == (0.5, True, True)
+    assert seen["cu_seqlens"] is cu and seen["cu_seqlens_cpu"] is cu_cpu and seen["chunk_indices"] is indices
+    assert seen["state_v_first"] is False and seen["cp_context"] is None and seen["chunk_size"] == 64
     # A refused call goes on to the next backend, and FLA logs our reason.
     assert fla_fn(*args(), use_gate_in_kernel=True) == "FakeFlashQLA result"
     assert fla.log[-2] == (BACKEND_TYPE, "reject", fla.log[-2][2]) and "use_gate_in_kernel" in fla.log[-2][2]

@@ -304,7 +304,7 @@ def test_torch_compile_traces_the_op_in_one_graph(recorded, monkeypatch):
 
     def step(q, k, v, g, beta, cu):
         o, s = ops.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, state_v_first=True,
-                                          cu_seqlens=cu)
+                                          cu_seqlens=cu, chunk_size=64)
         return o.float().sum() + s.sum()
 
     torch._dynamo.reset()
@@ -316,3 +316,106 @@ def test_torch_compile_traces_the_op_in_one_graph(recorded, monkeypatch):
     assert len(lib.calls) == 2
     assert (compiled.warmup, compiled.segment_chunks, compiled.max_segments) == \
         (eager.warmup, eager.segment_chunks, eager.max_segments) and eager.max_segments > 1
+
+
+class HostPathDouble:
+    """Test double for host_path.forward: records each call it is asked to take and takes none."""
+
+    def __init__(self):
+        self.asked = []
+
+    def __call__(self, key, *args):
+        self.asked.append(args)
+        return None
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """ops.chunk_gated_delta_rule on CPU tensors up to run_checked, which records its arguments
+    instead of packing and launching; host_path.forward is a HostPathDouble."""
+    seen, asked = [], HostPathDouble()
+    monkeypatch.setattr(ops, "check_inputs", ops.check_shapes_and_types)
+    monkeypatch.setattr(ops, "run_checked", lambda *args, **kw: seen.append((args, kw)) or ("o", "final"))
+    monkeypatch.setattr(ops.host_path, "forward", asked)
+    return seen, asked
+
+
+def _op_inputs(T=64):
+    q = torch.randn(1, T, 2, 128, dtype=torch.bfloat16)
+    return q, q.clone(), torch.randn(1, T, 8, 128, dtype=torch.bfloat16), torch.zeros(1, T, 8), torch.rand(1, T, 8)
+
+
+def test_a_positional_call_in_flas_order_reaches_its_parameters(op_calls):
+    from flashqla_tune import warmup_tables
+
+    seen, asked = op_calls
+    q, k, v, g, beta = _op_inputs()
+    h0 = torch.zeros(2, 8, 128, 128)
+    cu, cu_cpu, indices = torch.tensor([0, 24, 64]), torch.tensor([0, 24, 64]), torch.zeros(2, 2, dtype=torch.int64)
+    assert ops.chunk_gated_delta_rule(q, k, v, g, beta, 0.25, h0, True, True, False, False, True, cu, cu_cpu,
+                                      indices, None) == ("o", "final")
+    (args, kw), = seen
+    assert args[:5] == (q, k, v, g, beta) and args[5] == 0.25 and args[6] is h0
+    assert args[7:10] == (True, True, True)            # output_final_state, use_qk_l2norm, state_v_first
+    assert args[10] is cu and kw["longest_tokens"] == 40  # cu_seqlens_cpu's longest sequence
+    assert kw["warmup"] == list(warmup_tables.default_table(8))
+    assert len(asked.asked) == 1 and asked.asked[0][9] is cu and asked.asked[0][10] is cu_cpu
+
+
+def test_chunk_size_64_is_taken_and_any_other_is_refused_by_name(op_calls):
+    seen, asked = op_calls
+    x = _op_inputs()
+    ops.chunk_gated_delta_rule(*x, chunk_size=64, use_gate_in_kernel=False, A_log=None, dt_bias=None)
+    assert len(seen) == 1
+    for size in (32, 16, 128, "64", True):
+        with pytest.raises(ops.UnsupportedError, match=rf"chunk_size={size!r} is not supported"):
+            ops.chunk_gated_delta_rule(*x, chunk_size=size)
+    assert len(seen) == 1 and len(asked.asked) == 1
+
+
+@pytest.mark.parametrize("option, error, match", [
+    (dict(use_beta_sigmoid_in_kernel=True), ops.UnsupportedError, "use_beta_sigmoid_in_kernel=True is not supported"),
+    (dict(allow_neg_eigval=True), ops.UnsupportedError, "allow_neg_eigval=True is not supported yet"),
+    (dict(cp_context=object()), ops.UnsupportedError, "cp_context=object is not supported"),
+    (dict(use_gate_in_kernel=True), ops.UnsupportedError, "use_gate_in_kernel=True is not supported yet"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(8)), ops.UnsupportedError, "use_gate_in_kernel=True"),
+    (dict(A_log=torch.zeros(8)), ops.UnsupportedError, "A_log .* is not supported yet"),
+    (dict(dt_bias=torch.zeros(8)), ops.UnsupportedError, "dt_bias .* is not supported yet"),
+    (dict(chunk_indices=[[0, 0]]), TypeError, "chunk_indices must be None or FLA's"),
+    (dict(chunk_indices=torch.zeros(3)), ValueError, r"chunk_indices shape \(3,\)"),
+    (dict(head_first=False), TypeError, "unexpected keyword argument 'head_first'"),
+    (dict(transpose_state_layout=True), TypeError, "'transpose_state_layout' .*pass state_v_first"),
+    (dict(warmup_eps=1e-4, chunk_sise=64), TypeError, "unexpected keyword argument 'chunk_sise'"),
+])
+def test_options_the_kernels_cannot_honour_are_refused_by_name_before_any_work(op_calls, option, error, match):
+    seen, asked = op_calls
+    with pytest.raises(error, match=match):
+        ops.chunk_gated_delta_rule(*_op_inputs(), **option)
+    assert seen == [] and asked.asked == []      # neither the C++ path nor the Python path was asked
+
+
+def test_a_refused_option_is_refused_where_the_host_path_would_take_the_call(op_calls, monkeypatch):
+    """The fast path's check: a signature the C++ path knows still refuses an option by name,
+    and the common call with no options (or only honoured ones) is still handed to it."""
+    seen, _ = op_calls
+    taken = []
+    monkeypatch.setattr(ops, "host_key", lambda *a: "known signature")
+    monkeypatch.setattr(ops.host_path, "forward", lambda key, *a: taken.append(key) or ("fast o", None))
+    x = _op_inputs()
+    assert ops.chunk_gated_delta_rule(*x) == ("fast o", None)
+    assert ops.chunk_gated_delta_rule(*x, chunk_size=64, chunk_indices=torch.zeros(1, 2)) == ("fast o", None)
+    with pytest.raises(ops.UnsupportedError, match="allow_neg_eigval=True"):
+        ops.chunk_gated_delta_rule(*x, allow_neg_eigval=True)
+    with pytest.raises(TypeError, match="'warmup_eps_'"):
+        ops.chunk_gated_delta_rule(*x, warmup_eps_=1e-4)
+    assert taken == ["known signature"] * 2 and seen == []
+
+
+def test_warmup_and_warmup_eps_are_keyword_only(op_calls):
+    seen, _ = op_calls
+    x = _op_inputs()
+    fla_defaults = (None, None, False, False, False, False, False, None, None, None, None)
+    with pytest.raises(TypeError, match="positional argument"):
+        ops.chunk_gated_delta_rule(*x, *fla_defaults, [3] * 8)
+    ops.chunk_gated_delta_rule(*x, *fla_defaults, warmup=[3] * 8, warmup_eps=1e-4)
+    assert seen[-1][1]["warmup"] == [3] * 8 and seen[-1][1]["warmup_eps"] == 1e-4

@@ -201,6 +201,38 @@ def test_calls_pass_the_layer_table_and_the_calibration_eps(tmp_path, monkeypatc
     assert seen["warmup"] == o.warmup_table().tolist()
 
 
+def test_a_packs_op_takes_flas_positional_order_and_refuses_what_the_op_refuses(tmp_path, monkeypatch):
+    """PackOps.chunk_gated_delta_rule has the op's FLA signature with layer keyword only in place of
+    warmup/warmup_eps; refused options are named before the host path or the kernels are asked."""
+    o = _load(make_pack(tmp_path / "p"))
+    seen, asked = [], []
+    monkeypatch.setattr(ops, "check_inputs", ops.check_shapes_and_types)
+    monkeypatch.setattr(ops, "run_checked", lambda *args, **kw: seen.append((args, kw)))
+    monkeypatch.setattr(host_path, "forward", lambda key, *args: asked.append(args))
+    q, v = _qv(2, 8)
+    g, cu, cu_cpu = torch.zeros(1, 5, 8), torch.tensor([0, 2, 5]), torch.tensor([0, 2, 5])
+    o.chunk_gated_delta_rule(q, q, v, g, g, 0.5, None, True, True, False, False, False, cu, cu_cpu,
+                             torch.zeros(2, 2, dtype=torch.int64), None, layer=1, chunk_size=64)
+    (args, kw), = seen
+    assert args[5:11] == (0.5, None, True, True, False, cu) and kw["longest_tokens"] == 3
+    assert kw["warmup"] == o.warmup_table(1).tolist()
+    for option, match in ((dict(use_beta_sigmoid_in_kernel=True), "use_beta_sigmoid_in_kernel=True"),
+                          (dict(allow_neg_eigval=True), "allow_neg_eigval=True"),
+                          (dict(cp_context=object()), "cp_context=object"),
+                          (dict(use_gate_in_kernel=True), "use_gate_in_kernel=True"),
+                          (dict(chunk_size=32), "chunk_size=32")):
+        with pytest.raises(ops.UnsupportedError, match=match):
+            o.chunk_gated_delta_rule(q, q, v, g, g, layer=1, **option)
+    with pytest.raises(TypeError, match="'warmup' .*from its calibration: pass layer="):
+        o.chunk_gated_delta_rule(q, q, v, g, g, warmup=[3] * 8)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'head_first'"):
+        o.chunk_gated_delta_rule(q, q, v, g, g, head_first=False)
+    with pytest.raises(TypeError, match="positional argument"):
+        o.chunk_gated_delta_rule(q, q, v, g, g, None, None, False, False, False, False, False, None, None, None,
+                                 None, 1)
+    assert len(seen) == 1 and len(asked) == 1
+
+
 def test_a_packs_segment_table_reaches_the_op_under_a_qualified_name(tmp_path, monkeypatch):
     """A plan's CP segment table in the manifest is registered with its library under a name
     qualified by the table, which the pack's calls pass to the op; older packs (no table) keep
