@@ -7,7 +7,7 @@ chunks. Cutting the sequence into S segments of L chunks runs more CTAs at once:
 - an exact head (n_h = -1) chains exactly: a state-only pass per segment gives its zero-state end
   state H and its transition M (2 L), a chain walks the boundaries (S_{s+1} = M_s S_s + H_s, one
   128^3 fp32 product each), then the forward runs each segment from its chained state (L).
-The model, in chunk-steps (the time one chain needs per chunk; docs/kernel-notes.md has the H200's):
+The model, in chunk-steps (the time one chain needs per chunk; docs/cp-design.md, "The cost model"):
 
     depth      = the longest dependent path: L + n_max (warm-up); L + S chain steps + L (exact)
     work       = sum over CTAs of (chunk-steps walked + start cost)
@@ -19,8 +19,8 @@ free; with CP the state pass needs all of it first, so CP pays it in full.
 Batch invariance (DESIGN.md) forbids looking at the rest of the batch, yet a split that fills an
 idle GPU for a lone sequence multiplies the work (3x for exact heads) when other sequences
 already fill it. The choice therefore minimises the lone makespan times work_inflation **
-`batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/kernel-notes.md,
-the CP cost model). For each sequence-length bucket (a power of two in chunks; segment_policy.py)
+`batch_weight`, a hedge between the two cases fitted to the H200 scoreboard (docs/cp-design.md,
+"The cost model"). For each sequence-length bucket (a power of two in chunks; segment_policy.py)
 the model keeps the L that minimises it if it beats no segmentation by `min_gain`, else 0 (no
 CP). L is always longer than the longest window it warms up over (DESIGN.md, "Calibration
 contract"). The tuner refines the table on the GPU; this is the documented default.
@@ -94,14 +94,14 @@ class Machine:
     cp_fixed: float = 8.0        # the planning, the chain's first fill, two more launches
     state_step: float = 0.4      # a state-only chunk-step (H, M, windows: no output GEMMs) per forward one:
                                  # the flat optimum of tools/fit_cp_model.py with the chain and prep costs
-                                 # at their measured values (docs/kernel-notes.md, the CP cost model)
+                                 # at their measured values (docs/cp-design.md, "The cost model")
     prep_item: float = 7.5       # chunk-steps one SM spends on a (chunk, q/k head) prep item
     batch_weight: float = 0.40   # exponent of the work inflation in the objective (see the module doc):
                                  # large enough to drop splits that win alone but lose in batches of two
-                                 # (docs/kernel-notes.md, the CP cost model's batch hedge)
+                                 # (docs/cp-design.md, "The cost model")
     wave_tail: float = 25.0      # chunk-steps each wave of a CP pass beyond the first adds: the passes are
                                  # separate launches, so more CTAs than slots end in a tail that work / slots
-                                 # misses (fit in docs/kernel-notes.md, the CP cost model's wave tail)
+                                 # misses (fit: docs/cp-design.md, "The cost model")
     min_segment: int = 32        # chunks: shorter segments lost to one chain in batches of long sequences
 
     def __post_init__(self):

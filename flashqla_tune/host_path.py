@@ -252,7 +252,7 @@ def use_pack_extension(pack, record, library_paths) -> bool:
     if not enabled():
         return False
     if record is None:
-        _warn(f"pack {pack} carries no prebuilt C++ host extension (rebuild it with flashqla-tune build)")
+        _warn(f"pack {pack} carries no prebuilt C++ host extension (rebuild it with flashqla-tune build --force)")
         return False
     why = mismatch(record)
     if why is not None:

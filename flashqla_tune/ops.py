@@ -123,6 +123,11 @@ def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chun
     kwargs holds the call's keyword options beyond the signature; extra_known maps a keyword a
     caller of this op might pass to why it is refused there (a pack's op refuses warmup so)."""
     kwargs = kwargs or {}
+    for name, flag in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval)):
+        if type(flag) is not bool:  # e.g. a call in another order: its state_v_first or cu_seqlens landed here
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}; the positional order is FLA's: "
+                            f"(..., use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, "
+                            f"state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context)")
     if kwargs.get("use_gate_in_kernel", False):
         raise UnsupportedError(f"use_gate_in_kernel={kwargs['use_gate_in_kernel']!r} is not supported yet: pass g "
                                f"as the precomputed log decay (-exp(A_log) * softplus(a + dt_bias))")
@@ -248,8 +253,8 @@ def host_key(q, v, state_v_first, warmup, warmup_eps, plan_name: str):
 @dataclass
 class BoundCall:
     """A call bound to its kernels: what a call signature settles before its tensors are looked at.
-    Not a frozen dataclass: torch.compile (torch 2.11) cannot trace the object.__setattr__ a
-    frozen dataclass's __init__ makes, and the op builds one while traced.
+    A plain dataclass: the op builds one while torch.compile traces it, and dynamo (torch 2.11)
+    cannot trace the object.__setattr__ of a frozen dataclass's __init__.
     The op's two entry points check their arguments, build one and call it (this module's
     chunk_gated_delta_rule from its `warmup` argument, a pack's from its calibration: packed_ops).
     The plan and the CP segment table are found by name in runtime's registry, so the custom op's

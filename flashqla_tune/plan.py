@@ -17,7 +17,7 @@ from .spec import GDNSpec, SpecError
 # of which each resident CTA also takes 1 KB for the system; at most 227 KB (232448 B) per CTA.
 REGISTERS_PER_SM = 65536
 # PTX allows setmaxnreg 256, but ptxas caps a kernel at 255 registers, and the split r256x256
-# raises an illegal instruction on the H200 (docs/kernel-notes.md).
+# raises an illegal instruction on the H200.
 MAX_SETMAXNREG = 248
 SHARED_MEMORY_PER_SM = 233472
 SHARED_MEMORY_PER_CTA = 232448

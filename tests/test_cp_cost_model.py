@@ -33,7 +33,7 @@ def test_exact_heads_cost_more_but_still_pay_on_few_chains():
 
 
 def test_the_model_keeps_to_what_the_h200_measured():
-    """docs/kernel-notes.md, the CP profile (2/8: 16 chains, 2 q/k heads): splitting 1024- and
+    """docs/cp-design.md's cost model, the H200's CP profile (2/8: 16 chains, 2 q/k heads): splitting 1024- and
     2048-token sequences was 1.2-7x slower than one chain; 32k tokens gained 1.6-1.8x."""
     exact = WarmupProfile(exact_share=1.0, mean_window=0.0, max_window=0)
     warm = WarmupProfile(exact_share=0.25, mean_window=4.7, max_window=5)
@@ -44,7 +44,7 @@ def test_the_model_keeps_to_what_the_h200_measured():
 
 
 def test_a_split_into_more_ctas_than_slots_pays_a_wave_tail():
-    """The H200 scoreboard (docs/kernel-notes.md, the wave tail), lone 8192-token rows with the
+    """The H200 scoreboard (docs/cp-design.md, "The cost model"), lone 8192-token rows with the
     protocol's calibration (a quarter of the heads exact, windows of 4-5 chunks): split into 32-chunk
     segments, 16/16 (32 chains, 128 CTAs: one wave) ran 0.76 of one chain, 8/32 (64 chains, 256 CTAs)
     0.96. The wave tail keeps the first split and declines the second; 32k tokens still split."""

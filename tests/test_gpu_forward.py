@@ -464,7 +464,7 @@ def test_overlapped_schedule_replays_in_a_cuda_graph():
                                                                   True, False))
 
 
-# ---- Warm-up context parallelism (docs/kernel-notes.md) ----
+# ---- Warm-up context parallelism (docs/cp-design.md) ----
 # "mixed" gates leave every fourth v-head at g = 0: head 0 claims a 5-chunk window anyway, so the
 # guard has to chain it exactly; head 4 is marked exact.
 MIXED_2_8 = [5, 5, 5, 5, -1, 5, 5, 5]

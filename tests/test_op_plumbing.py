@@ -362,6 +362,15 @@ def test_a_positional_call_in_flas_order_reaches_its_parameters(op_calls):
     assert len(asked.asked) == 1 and asked.asked[0][9] is cu and asked.asked[0][10] is cu_cpu
 
 
+def test_a_call_in_the_old_positional_order_is_refused_naming_the_order(op_calls):
+    """(..., use_qk_l2norm, state_v_first, cu_seqlens) puts cu_seqlens into allow_neg_eigval: a
+    TypeError that names the argument and FLA's order, not a tensor's ambiguous truth value."""
+    seen, asked = op_calls
+    with pytest.raises(TypeError, match=r"allow_neg_eigval must be a bool, got Tensor; the positional order is FLA's"):
+        ops.chunk_gated_delta_rule(*_op_inputs(), None, None, False, False, False, torch.tensor([0, 64]))
+    assert seen == [] and asked.asked == []
+
+
 def test_chunk_size_64_is_taken_and_any_other_is_refused_by_name(op_calls):
     seen, asked = op_calls
     x = _op_inputs()

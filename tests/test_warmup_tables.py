@@ -52,7 +52,7 @@ def test_segment_table_is_the_cost_model_per_power_of_two_bucket():
 
 
 def kernel_segments(lengths, chunks):
-    """csrc/gdn_cp.cuh's rule: bucket ceil(log2 c), one segment unless 0 < L < c."""
+    """csrc/gdn_segment_policy.h's rule: bucket ceil(log2 c), one segment unless 0 < L < c."""
     bucket = min(max(chunks - 1, 0).bit_length(), len(lengths) - 1)
     length = lengths[bucket]
     return -(-chunks // length) if 0 < length < chunks else 1

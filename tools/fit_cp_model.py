@@ -31,10 +31,9 @@ from flashqla_tune.cp_cost_model import Machine, WarmupProfile, segment_table
 from flashqla_tune.segment_policy import bucket_of_chunks
 
 MISSING_REGRET = 1.5
-# Scoreboards taken before the op knew the longest sequence of a call: there a batch whose longest
-# possible sequence (ceil(T/64) chunks, the host's bound) fell in a split bucket ran the CP kernels
-# even when none of its sequences split, at this cost. The op now skips them when it knows the
-# longest sequence (cu_seqlens_cpu), so the penalty describes those inputs, not the op.
+# A call that does not know its longest sequence (no cu_seqlens_cpu) bounds it by ceil(T/64)
+# chunks; where that bound falls in a split bucket the CP kernels run even when no sequence
+# splits, at this cost. Scoreboards whose rows were timed that way carry it.
 UNSPLIT_CP_OVERHEAD_MS = 0.015
 V_TILES = 2  # the default plans' block_v = 64 for V = 128
 # The costs cp_cost_model.py had when the op-default scoreboards this script reads were taken (the

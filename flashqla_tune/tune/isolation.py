@@ -2,10 +2,10 @@
 
 A kernel that faults (an illegal instruction, an illegal address) leaves a sticky error on its
 CUDA context: every later launch in that process fails, so in-process tuning prunes every trial
-after the culprit, so one faulting config would cost every trial that follows it. A kernel that
-deadlocks never returns at all. Here the checker, timer and anchor timer live in a spawned
-process: after a failure the child probes its context and, when the context is gone, exits, and
-the next call starts a fresh child; a call that does not answer in time is stopped the same way.
+after the culprit. A kernel that deadlocks never returns at all. Here the checker, timer and
+anchor timer live in a spawned process: after a failure the child probes its context and, when
+the context is gone, exits, and the next call starts a fresh child; a call that does not answer
+in time is stopped the same way.
 The builder stays in the tuner's process (nvcc needs no GPU).
 """
 from __future__ import annotations

@@ -116,7 +116,7 @@ class TuneResult:
 
 
 # A tuned config may lose to the default on no length mix by more than this: well above the
-# spread of repeated medians of one config across H200 machines (docs/kernel-notes.md, tuning).
+# spread of repeated medians of one config across H200 machines.
 MIX_TOLERANCE = 0.01
 
 
