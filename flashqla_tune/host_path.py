@@ -51,7 +51,6 @@ _lock = threading.Lock()
 _extension = None          # the loaded module, once built or imported from a pack
 _unavailable: str | None = None  # why it cannot be built or loaded (then the Python path only)
 _build_thread: threading.Thread | None = None
-_pack_libraries: set[Path] = set()  # kernel libraries of loaded packs: their calls never start a build
 
 
 class HostPathError(RuntimeError):
@@ -241,14 +240,12 @@ def import_prebuilt(path: Path, name: str):
     return module
 
 
-def use_pack_extension(pack, record, library_paths) -> bool:
+def use_pack_extension(pack, record) -> bool:
     """Take a loaded pack's prebuilt extension (`record`: its manifest entry, with `so` relative to
     the pack; None: the pack has none) for the C++ path, where it fits this process. Otherwise warn
     once, naming why, and keep that pack's calls on the Python path: nothing is compiled for them.
     Returns whether the pack's calls can take the C++ path."""
     global _extension
-    with _lock:
-        _pack_libraries.update(Path(p).resolve() for p in library_paths)
     if not enabled():
         return False
     if record is None:
@@ -276,11 +273,6 @@ def use_pack_extension(pack, record, library_paths) -> bool:
 def _warn(message: str) -> None:
     warnings.warn(f"{message}; its eager calls take the Python host path (the same results, more host time "
                   f"per call)", RuntimeWarning, stacklevel=3)
-
-
-def _from_pack(library) -> bool:
-    path = getattr(library, "path", None)
-    return path is not None and Path(path).resolve() in _pack_libraries
 
 
 # --- signature contexts ---------------------------------------------------------------------------
@@ -338,17 +330,17 @@ class _SignatureContext:
         self.tables = tables
 
 
-def remember(key, plan, library, tables, device: torch.device) -> None:
+def remember(key, plan, library, tables, device: torch.device, may_build: bool = True) -> None:
     """Keep the context of a call that just succeeded on the Python path (plan, its loaded library,
-    its warmup_tables.WarmupTables). Until the extension is loaded it keeps nothing: for the
-    pack-less op it starts the background build here (once); a pack's call never builds (loading
-    the pack said why its extension is not in use). It does nothing when the C++ path is switched
-    off or cannot be built (warning once)."""
+    its warmup_tables.WarmupTables). Until the extension is loaded it keeps nothing: where
+    may_build (the pack-less op) it starts the background build here (once); a pack's call passes
+    may_build=False and never builds (loading the pack said why its extension is not in use). It
+    does nothing when the C++ path is switched off or cannot be built (warning once)."""
     if key is None or tables is None or key in _contexts or not enabled():
         return  # tables None: a default table first seen under graph capture ran without CP
     ext = _extension
     if ext is None:
-        if _from_pack(library):
+        if not may_build:
             return
         start_build()  # not built yet: start it (once) and let a later call of the signature come back
         if _unavailable is not None:

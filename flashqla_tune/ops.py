@@ -300,7 +300,8 @@ class BoundCall:
             return
         plan = self.plan
         tables = warmup_tables.tables_for(self.warmup, plan, device, self.warmup_eps, self.segment_lengths)
-        host_path.remember(key, plan, runtime.library(plan), tables, device)
+        host_path.remember(key, plan, runtime.library(plan), tables, device,
+                           may_build=not self.plan_name)  # a pack's call never compiles
 
 
 def longest_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:

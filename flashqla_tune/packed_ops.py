@@ -193,7 +193,7 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
         registered[p.plan.name] = runtime.register_library(p.plan, lib, _registered_name(p), p.segment_chunks)
     # the eager op's C++ host path: the pack's prebuilt extension where it fits this torch and Python,
     # else one warning and the Python path for this pack's calls (nothing is compiled for them)
-    host_path.use_pack_extension(pack, manifest.host_extension, [pack / p.so for p in plans])
+    host_path.use_pack_extension(pack, manifest.host_extension)
     return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries, registered)
 
 

@@ -281,8 +281,7 @@ def compiler_must_not_run(*args, **kwargs):
 
 @pytest.fixture
 def fresh_host_state(monkeypatch):
-    for name, value in (("_extension", None), ("_build_thread", None), ("_unavailable", None), ("_contexts", {}),
-                        ("_pack_libraries", set())):
+    for name, value in (("_extension", None), ("_build_thread", None), ("_unavailable", None), ("_contexts", {})):
         monkeypatch.setattr(host_path, name, value)
     monkeypatch.delenv(host_path.ENV_SWITCH, raising=False)
 
@@ -323,10 +322,11 @@ def test_a_packs_op_uses_the_prebuilt_extension_without_the_compiler(prebuilt_pa
     monkeypatch.setattr(cpp_extension, "load", compiler_must_not_run)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a usable prebuilt extension loads without a word
-        assert host_path.use_pack_extension(pack, record, [library])
+        assert host_path.use_pack_extension(pack, record)
     plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
     key = ("a pack signature", HV, torch.bfloat16, -1)  # [3]: the device index forward reads
-    host_path.remember(key, plan, PackLibraryDouble(double, library), tables, torch.device("cpu"))
+    host_path.remember(key, plan, PackLibraryDouble(double, library), tables, torch.device("cpu"),
+                       may_build=False)
     assert host_path.known(key) and host_path._build_thread is None  # kept at once: nothing to build
     assert host_path.extension().ABI_VERSION == abi.ABI_VERSION
     before = host_path.taken
@@ -353,22 +353,24 @@ def test_a_mismatched_prebuilt_extension_falls_back_to_python_with_one_warning(p
     setattr(record, field, value)
     monkeypatch.setattr(cpp_extension, "load", compiler_must_not_run)
     with pytest.warns(RuntimeWarning) as seen:
-        assert not host_path.use_pack_extension(pack, record, [library])
+        assert not host_path.use_pack_extension(pack, record)
     assert len(seen) == 1 and named in str(seen[0].message) and "Python host path" in str(seen[0].message)
     plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the calls say nothing more
         for _ in range(2):
-            host_path.remember(("sig", 1), plan, PackLibraryDouble(double, library), tables, torch.device("cpu"))
+            host_path.remember(("sig", 1), plan, PackLibraryDouble(double, library), tables, torch.device("cpu"),
+                       may_build=False)
     assert not host_path.known(("sig", 1)) and host_path._build_thread is None and host_path._extension is None
 
 
 def test_a_pack_without_a_prebuilt_extension_says_so_and_builds_nothing(tmp_path, double, fresh_host_state):
     library = tmp_path / "binaries" / "plan.so"
     with pytest.warns(RuntimeWarning, match="carries no prebuilt C\\+\\+ host extension"):
-        assert not host_path.use_pack_extension(tmp_path, None, [library])
+        assert not host_path.use_pack_extension(tmp_path, None)
     plan, tables = default_plan(GDNSpec(HQK, HV)), tables_of(SPLITS)
-    host_path.remember(("sig", 2), plan, PackLibraryDouble(double, library), tables, torch.device("cpu"))
+    host_path.remember(("sig", 2), plan, PackLibraryDouble(double, library), tables, torch.device("cpu"),
+                       may_build=False)
     assert host_path._build_thread is None
 
 
@@ -378,5 +380,5 @@ def test_switched_off_the_pack_extension_is_neither_loaded_nor_warned_about(preb
     monkeypatch.setenv(host_path.ENV_SWITCH, "python")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not host_path.use_pack_extension(pack, None, [library])
+        assert not host_path.use_pack_extension(pack, None)
     assert host_path._extension is None

@@ -252,6 +252,24 @@ def test_the_op_binds_its_table_and_eps_and_the_custom_op_rebinds_them_by_name(r
         ops.BoundCall(bound.spec, "nope", None, 1e-4).plan
 
 
+def test_only_the_packless_op_may_start_the_host_path_build(recorded, monkeypatch):
+    """A pack's calls (a registered plan name) never compile the C++ host path, even where the
+    pack-less op uses the same plan and library: the binding, not the library, says whose call it is."""
+    from flashqla_tune import host_path, warmup_tables
+
+    lib, plan = recorded
+    seen = []
+    monkeypatch.setattr(host_path, "known", lambda key: False)
+    monkeypatch.setattr(host_path, "remember", lambda *args, **kw: seen.append(kw["may_build"]))
+    monkeypatch.setattr(warmup_tables, "tables_for", lambda *args, **kw: "tables")
+    bf16 = torch.bfloat16
+    spec = ops.call_spec(torch.empty(1, 1, 2, 128, dtype=bf16), torch.empty(1, 1, 8, 128, dtype=bf16), True)
+    name = runtime.register_library(plan, lib, f"{plan.name}@may-build")
+    ops.BoundCall(spec, "", (3,) * 8, 1e-4).remember_host_context(("packless",), torch.device("cpu"))
+    ops.BoundCall(spec, name, (3,) * 8, 1e-4).remember_host_context(("pack",), torch.device("cpu"))
+    assert seen == [True, False]
+
+
 def test_a_packs_call_is_bound_once_per_signature_and_reaches_the_library(recorded, monkeypatch, tmp_path):
     """A pack's op builds its BoundCall (plan for the heads, the layer's table, the calibration's
     eps) on the first call of a signature and reuses it; refusals are raised again, never kept."""
