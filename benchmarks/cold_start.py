@@ -10,7 +10,7 @@ second; FLA's and FlashQLA's JIT caches are warm too, as a serving restart would
 
 Ours runs with an empty, private FLASHQLA_TUNE_CACHE and must leave it empty: a pack's first call
 compiles nothing. Without --pack, an untuned pack of the shipped model is built first (its time
-is not part of the cold start). Writes OUT/cold_start.json and prints one line per run.
+is not part of the cold start). Writes OUT/cold_start.json after each implementation and prints one line per run.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                   f"phases {r['phases_s']}" + (f", cache files {r['cache_files_written']}" if cache else ""),
                   flush=True)
         report["runs"][impl] = runs
-    (args.out / "cold_start.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / "cold_start.json").write_text(json.dumps(report, indent=2) + "\n")  # kept if a later one hangs
     last = {impl: runs[-1]["to_first_output_s"] for impl, runs in report["runs"].items()}
     print("cold start, run %d, spawn to first output: " % args.runs +
           ", ".join(f"{impl} {s:.2f} s" for impl, s in last.items()))
