@@ -4,7 +4,9 @@ Each decoder layer is built on the meta device and filled with just its own tens
 safetensors files, so only one layer's weights are ever resident. The gate is read from the
 layer's own gate projection with a forward hook and turned into g with the layer's own A_log
 and dt_bias, using the formula in transformers' modeling code (checked against the value the
-layer hands its kernel in tests).
+layer hands its kernel in tests). Layers are built and run with the family's kernel dispatch
+pinned to transformers' PyTorch code (torch_layer_math), so an installed FLA or causal-conv1d
+never runs here.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from transformers import AutoConfig
 
 from ...calibration_settings import CalibrationError
 from .base import GDNAdapter
+from .torch_layer_math import check_torch_only, pinned_torch_path
 
 # Parameters the model code keeps in fp32 whatever the compute dtype: exp() of a rounded A_log
 # is a proportional error on the decay rate.
@@ -128,8 +131,10 @@ class TransformersQwenAdapter(GDNAdapter):
         return fn(**{k: v for k, v in kwargs.items() if k in params})
 
     def load_layer(self, index: int):
-        with torch.device("meta"):
-            layer = getattr(self.modeling, self.decoder_layer_cls)(self.config, index)
+        with pinned_torch_path(self.modeling):
+            with torch.device("meta"):
+                layer = getattr(self.modeling, self.decoder_layer_cls)(self.config, index)
+            check_torch_only(layer, self.modeling, f"decoder layer {index}")
         layer.load_state_dict(self._layer_state(index, layer), strict=True, assign=True)
         layer.eval()
         is_gdn = index in self.model.gdn_layers
@@ -147,8 +152,9 @@ class TransformersQwenAdapter(GDNAdapter):
             captured.clear()
             B, T = hidden.shape[:2]
             pos = torch.arange(T, device=hidden.device)[None].expand(B, T)
-            out = layer(hidden, position_embeddings=self.rotary(hidden, self.rotary_positions(pos)),
-                        attention_mask=None if is_gdn else self._mask(hidden, pos), position_ids=pos)
+            with pinned_torch_path(self.modeling):
+                out = layer(hidden, position_embeddings=self.rotary(hidden, self.rotary_positions(pos)),
+                            attention_mask=None if is_gdn else self._mask(hidden, pos), position_ids=pos)
             out = out[0] if isinstance(out, tuple) else out
             if is_gdn and len(captured) != 1:
                 raise CalibrationError(f"decoder layer {index}: expected one gate projection call, saw {len(captured)}")

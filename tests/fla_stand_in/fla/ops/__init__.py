@@ -1,0 +1,1 @@
+"""Stand-in for fla.ops: see fla/__init__.py."""
