@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from .build import BuildConfig
     from .render import Renderer
 
+logger = logging.getLogger("flashqla_tune")
 _loaded: dict[Path, "KernelLibrary"] = {}
 _loaded_lock = threading.Lock()
 
@@ -112,7 +114,11 @@ def load_kernel(plan: KernelPlan, renderer: Renderer | None = None, config: Buil
     """
     from . import cache  # the compiler side (render, build, nvcc): only where a plan is built
 
-    entry = cache.get_kernel(plan, renderer, config, root)
+    entry = cache.lookup(plan, renderer, config, root)
+    if entry is None:  # a compile stalls this first call: say so once, where a user's logging sees it
+        logger.warning("compiling kernel plan %s with nvcc on its first use (cached afterwards; "
+                       "a kernel pack compiles nothing)", plan.name)
+        entry = cache.get_kernel(plan, renderer, config, root)
     try:
         return open_library(entry.so_path, plan)
     except StaleKernelError as first:

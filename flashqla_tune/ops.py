@@ -19,10 +19,11 @@ from . import host_path, runtime, warmup_tables
 from .plan import KernelPlan
 from .segment_policy import MAX_SEQUENCES, MAX_TOKENS
 from .spec import GDNSpec
+from .supported_shapes import CHUNK_SIZE, SUPPORTED, head_dims_problem, heads_problem
 
-SUPPORTED_QKV_DTYPES = (torch.bfloat16, torch.float16)
-SUPPORTED_GATE_DTYPES = (torch.float32, torch.bfloat16)
-SUPPORTED_HEAD_DIM = 128
+# The supported-shape table's dtypes (supported_shapes.py) as torch dtypes
+SUPPORTED_QKV_DTYPES = tuple(getattr(torch, name) for name in SUPPORTED.qkv_dtypes)
+SUPPORTED_GATE_DTYPES = tuple(getattr(torch, name) for name in SUPPORTED.gate_dtypes)
 
 
 class UnsupportedError(ValueError):
@@ -55,18 +56,20 @@ def check_shapes_and_types(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqle
     if tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"v shape {tuple(v.shape)} does not match q's [B,T]=({B},{T})")
     Hv, V = v.shape[2], v.shape[3]
-    if Hv % Hqk:
-        raise ValueError(f"v heads Hv={Hv} must be a multiple of q/k heads Hqk={Hqk}")
-    if K != SUPPORTED_HEAD_DIM or V != SUPPORTED_HEAD_DIM:
-        raise UnsupportedError(f"unsupported head dims K={K}, V={V}: the Hopper kernels support K = V = 128")
+    if problem := heads_problem(Hqk, Hv):
+        raise ValueError(problem)
+    if problem := head_dims_problem(K, V):
+        raise UnsupportedError(problem)
     if q.dtype not in SUPPORTED_QKV_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise UnsupportedError(f"q, k, v must share one dtype of bfloat16/float16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise UnsupportedError(f"q, k, v must share one dtype of {'/'.join(SUPPORTED.qkv_dtypes)}; got {q.dtype}, "
+                               f"{k.dtype}, {v.dtype}")
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (B, T, Hv):
             raise ValueError(f"{name} shape {tuple(t.shape)}, expected [B,T,Hv]=({B},{T},{Hv}) "
                              f"(per-key-channel gates come with the porting work)")
         if t.dtype not in SUPPORTED_GATE_DTYPES:
-            raise UnsupportedError(f"{name} dtype {t.dtype} is not supported (float32, or bfloat16 upcast)")
+            raise UnsupportedError(f"{name} dtype {t.dtype} is not supported ({' or '.join(SUPPORTED.gate_dtypes)}; "
+                                   f"the op upcasts them to float32)")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got B={B}")
@@ -105,8 +108,6 @@ def _check_offsets(cu_cpu, expected_len, total_tokens):
     if values[-1] > total_tokens:
         raise ValueError(f"cu_seqlens ends at {values[-1]} but the inputs hold only T={total_tokens} tokens")
 
-
-CHUNK_SIZE = 64  # the kernels' chunk length in tokens
 
 # FLA's keyword options the op takes, with the one value each can honour
 FLA_KEYWORD_OPTIONS = {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None, "chunk_size": CHUNK_SIZE}

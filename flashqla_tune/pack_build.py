@@ -6,14 +6,20 @@ tune=False) the pack keeps the default tiles and says "untuned sm_90a". The pack
 beside its destination and swapped in by rename; an existing pack of the same checkpoint and
 options is reused, one of another checkpoint is rebuilt. The pack also carries the eager op's C++
 host path, compiled here for this torch and Python (host_path.build_into; no GPU needed), so
-that loading the pack compiles nothing.
+that loading the pack compiles nothing. The kernels and the host path depend only on the spec,
+so they compile side by side (nvcc and the host compiler are separate processes).
+
+The checkpoint is checked against the supported-shape table before any work, and a finished
+calibration (calibration=FILE) replaces calibrating when its checkpoint hash is this one's.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +30,7 @@ from .pack import (BINARIES, CALIBRATION, HOST, NATIVE, QK_REPEATED, UNTUNED_TAR
                    staging_dir, write_manifest)
 from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
+from .supported_shapes import check_model, check_spec
 
 
 @dataclass(frozen=True)
@@ -72,8 +79,9 @@ def toolchain() -> dict:
     return {"nvcc": environment.nvcc_version(), "cutlass": environment.cutlass_version(), "torch": torch.__version__}
 
 
-def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on) -> tuple[bool, str]:
-    """(reuse?, why) for an existing folder at out."""
+def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, spec: GDNSpec | None = None
+                  ) -> tuple[bool, str]:
+    """(reuse?, why) for an existing folder at out; spec, when given, is the model spec to build."""
     if not out.exists():
         return False, "new pack"
     if not (out / "manifest.json").exists() and any(out.iterdir()):
@@ -88,6 +96,8 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on) -
         return False, f"checkpoint changed (pack has {old.checkpoint_sha256[:16]}, checkpoint is {sha[:16]})"
     if old.tool_version != __version__:
         return False, f"pack made by flashqla-tune {old.tool_version}, this is {__version__}"
+    if spec is not None and old.spec != spec:
+        return False, f"spec changed ({old.spec.name} -> {spec.name})"
     if tuple(old.tp_sizes) != tuple(tp_sizes):
         return False, f"TP degrees changed ({list(old.tp_sizes)} -> {list(tp_sizes)})"
     if old.build != options:
@@ -117,20 +127,40 @@ def _tuning_record(result) -> dict:
 def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: float | None = None,
                jobs: int | None = None, force: bool = False, corpus=None, seq_len: int | None = None,
                max_sequences: int | None = None, progress: bool = True, compare_anchors: bool = False,
-               log=None, build_host=None) -> BuildReport:
+               log=None, build_host=None, settings=None, calibration=None, batch_size: int = 8,
+               device=None, offload: bool = False, qkv_dtype: str | None = None,
+               state_layout: str | None = None) -> BuildReport:
     """build_host(folder) -> host_path.PrebuiltExtension compiles the C++ host path into the pack
-    (default host_path.build_into; injectable for tests)."""
-    from .calibrate.default_model import default_model_path
-    from .calibrate.hashing import checkpoint_hash
-    from .calibrate.pipeline import calibrate_checkpoint
-    from .calibrate.report import summary
-
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    ckpt = Path(checkpoint) if checkpoint is not None else default_model_path()
+    (default host_path.build_into; injectable for tests). settings (CalibrationSettings), corpus,
+    seq_len, max_sequences, batch_size, device and offload are the calibration's; calibration
+    names a finished artifact to use instead (it must be this checkpoint's). qkv_dtype and
+    state_layout replace the checkpoint's in the pack's spec (e.g. "vk" for v-first state pools)."""
+    log = log or _stderr_log
     out = Path(out)
     tp_sizes = tuple(sorted(set(tp_sizes)))
+    if checkpoint is None:
+        from .calibrate.default_model import default_model_path
+
+        checkpoint = default_model_path()
+    ckpt = Path(checkpoint)
+    # Everything that can be refused from config.json alone is refused before any work.
     model = read_model_config(ckpt)
-    heads = plan_heads(model.spec, tp_sizes)
+    check_model(model, str(ckpt))
+    changes = {k: v for k, v in (("qkv_dtype", qkv_dtype), ("state_layout", state_layout)) if v is not None}
+    spec = dataclasses.replace(model.spec, **changes) if changes else model.spec
+    check_spec(spec, str(ckpt))
+    heads = plan_heads(spec, tp_sizes)
+    if calibration is not None:
+        calibration = Path(calibration)
+        if not calibration.is_file():
+            raise PackError(f"--calibration {calibration}: no such file")
+        if corpus is not None or seq_len is not None or max_sequences is not None or settings is not None:
+            raise ValueError("a finished calibration brings its own corpus and settings: give calibration= "
+                             "or the calibration options, not both")
+    from .calibrate.hashing import checkpoint_hash
+    from .calibration_artifact import load_calibration
+    from .calibration_settings import CalibrationSettings
+
     gpu = environment.gpu_info() if tune else None
     if tune and gpu is None:
         log("build: no CUDA GPU here, so the pack keeps the default tiles (untuned sm_90a)")
@@ -138,12 +168,18 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         log(f"build: {gpu.name} is {gpu.arch}, not sm_90: the pack keeps the default tiles (untuned sm_90a)")
         gpu = None
     options = {"corpus": None if corpus is None else str(corpus), "seq_len": seq_len, "max_sequences": max_sequences}
+    if settings is not None and settings != CalibrationSettings():
+        options["settings"] = settings.to_dict()        # recorded only when not the defaults
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     sha = checkpoint_hash(ckpt)
     seconds["hash"] = time.perf_counter() - t0
+    given = None
+    if calibration is not None:
+        given = load_calibration(calibration, checkpoint_sha256=sha)   # refuses another checkpoint's, or a damaged file
+        options["calibration_sha256"] = sha256_file(calibration)
     if not force:
-        reuse, why = _reuse_reason(out, sha, tp_sizes, options, gpu.name if gpu else None)
+        reuse, why = _reuse_reason(out, sha, tp_sizes, options, gpu.name if gpu else None, spec)
         if reuse:
             return BuildReport(out, read_manifest(out), True, why, seconds)
     else:
@@ -152,20 +188,19 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_dir(out)
     try:
-        t = time.perf_counter()
-        cal = calibrate_checkpoint(ckpt, corpus, out_dir=staging, seq_len=seq_len, max_sequences=max_sequences,
-                                   progress=progress).calibration
-        seconds["calibrate"] = time.perf_counter() - t
-        for line in summary(cal):
-            log(line)
-        if cal.checkpoint_sha256 != sha:
-            raise PackError(f"{ckpt} changed while it was being calibrated ({sha[:16]} -> "
-                            f"{cal.checkpoint_sha256[:16]}); build again")
         plans = {h: default_plan(h.spec) for h in heads}
-        t = time.perf_counter()
-        unique = list(dict.fromkeys(plans.values()))
-        cache.get_kernels(unique, jobs=jobs)
-        seconds["compile"] = time.perf_counter() - t
+        cal = _calibration(given, calibration, ckpt, sha, staging, seconds, log, corpus=corpus,
+                           settings=settings, seq_len=seq_len, max_sequences=max_sequences, batch_size=batch_size,
+                           device=device, offload=offload, progress=progress)
+        # The kernels (nvcc) and the C++ host path (the host compiler) need only the spec: side by side.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            host_future = pool.submit(_timed, _host_extension, staging, build_host, log)
+            t = time.perf_counter()
+            try:
+                compile_plans(list(plans.values()), jobs=jobs, progress=progress, log=log)
+            finally:
+                seconds["compile"] = time.perf_counter() - t
+                host, seconds["host"] = host_future.result()
         tuning: dict[KernelPlan, dict] = {}
         if gpu is not None:
             t = time.perf_counter()
@@ -189,12 +224,9 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
                     seconds["tune_segments"] = seconds.get("tune_segments", 0.0) + time.perf_counter() - t
             pack_plans.append(PackPlan(h.tp_size, h.form, plan, rel, sha256_file(dest), tuning.get(plan),
                                        segment_tables[plan]))
-        t = time.perf_counter()
-        host = _host_extension(staging, build_host, log)
-        seconds["host"] = time.perf_counter() - t
         gpu_record = ({"name": gpu.name, "arch": gpu.arch, "driver": gpu.driver, "sm_count": gpu.sm_count}
                       if gpu is not None else {"target": UNTUNED_TARGET, "name": None, "arch": "sm_90a"})
-        manifest = Manifest(spec=model.spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
+        manifest = Manifest(spec=spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
                             calibration_sha256=sha256_file(staging / CALIBRATION),
                             num_gdn_layers=model.num_gdn_layers, tp_sizes=tp_sizes, gpu=gpu_record,
                             toolchain=toolchain(), plans=tuple(pack_plans), build=options, host_extension=host)
@@ -207,6 +239,71 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         raise
     seconds["total"] = time.perf_counter() - t0
     return BuildReport(out, manifest, False, why, seconds)
+
+
+def _stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
+
+
+def _calibration(given, given_path, ckpt: Path, sha: str, staging: Path, seconds: dict, log, **calibrate_options):
+    """The pack's calibration, written into staging: the given artifact (copied byte for byte, with
+    its report made again beside it), or a fresh calibration of the checkpoint."""
+    from .calibrate.report import summary, write_report
+
+    if given is not None:
+        shutil.copyfile(given_path, staging / CALIBRATION)
+        write_report(given, staging)
+        log(f"build: calibration from {given_path} (checkpoint {given.checkpoint_sha256[:16]}); not calibrating")
+        for line in summary(given):
+            log(line)
+        return given
+    from .calibrate.pipeline import calibrate_checkpoint
+
+    t = time.perf_counter()
+    options = dict(calibrate_options)
+    cal = calibrate_checkpoint(ckpt, options.pop("corpus"), options.pop("settings"), out_dir=staging,
+                               **options).calibration
+    seconds["calibrate"] = time.perf_counter() - t
+    for line in summary(cal):
+        log(line)
+    if cal.checkpoint_sha256 != sha:
+        raise PackError(f"{ckpt} changed while it was being calibrated ({sha[:16]} -> "
+                        f"{cal.checkpoint_sha256[:16]}); build again")
+    return cal
+
+
+def compile_plans(plans, jobs: int | None = None, force: bool = False, progress: bool = True, log=None) -> list:
+    """The cache entries of plans (cache.get_kernels), with progress when asked: a line saying how
+    many are cached and how many to build, then a line per plan as each batch of parallel nvcc
+    processes (jobs, default build.default_jobs) finishes."""
+    from .build import default_jobs
+
+    log = log or _stderr_log
+    unique = list(dict.fromkeys(plans))
+    found = {} if force else {p: e for p in unique if (e := cache.lookup(p)) is not None}
+    todo = [p for p in unique if p not in found]
+    if todo:
+        batch = jobs or default_jobs(len(todo))
+        if progress:
+            log(f"compile: {len(todo)} plan(s) to build with {min(batch, len(todo))} nvcc process(es)"
+                f"{f', {len(found)} cached' if found else ''}")
+        start = time.perf_counter()
+        for i in range(0, len(todo), batch):
+            for e in cache.get_kernels(todo[i:i + batch], jobs=jobs, force=force):
+                found[e.plan] = e
+                if progress:
+                    what = f"built in {e.build_seconds:.1f} s" if e.built else "built meanwhile by another process"
+                    done = sum(p in found for p in todo)
+                    log(f"compile [{done}/{len(todo)}] {e.plan.name}: {what} ({time.perf_counter() - start:.0f} s "
+                        f"elapsed)")
+    elif progress and unique:
+        log(f"compile: all {len(unique)} plan(s) cached")
+    return [found[p] for p in plans]
 
 
 def _host_extension(staging: Path, build_host, log) -> HostExtension | None:

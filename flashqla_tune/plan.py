@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .spec import GDNSpec, SpecError
+from .supported_shapes import spec_problem
 
 # setmaxnreg takes multiples of 8 in [24, 256] (248 here, see MAX_SETMAXNREG). A CTA is one producer warp group, one consumer warp
 # group per 64 state columns (block_v / 64) and optionally an output warp group. Its threads launch
@@ -27,7 +28,6 @@ OUT_PITCH = ROWS_PER_CONSUMER + 8  # padded row of the O staging tile (csrc kOut
 # A consumer holds the fp32 state slice (64), its 16-bit copy (32) and two 64 x 64 accumulators
 # (64): below this many registers ptxas can only spill.
 MIN_CONSUMER_REGS = 168
-SUPPORTED_HEAD_DIMS = (128,)
 
 
 class PlanError(ValueError):
@@ -128,15 +128,10 @@ class KernelPlan:
     tiles: TileParams = TileParams()
 
     def __post_init__(self) -> None:
-        s = self.spec
-        if s.head_k_dim not in SUPPORTED_HEAD_DIMS or s.head_v_dim not in SUPPORTED_HEAD_DIMS:
-            raise PlanError(f"unsupported head dims K={s.head_k_dim}, V={s.head_v_dim}: the Hopper kernel "
-                            f"supports K = V = 128 (other dims come with the porting work)")
-        if s.chunk_size != 64:
-            raise PlanError(f"unsupported chunk_size={s.chunk_size}: the Hopper kernel uses 64")
-        if s.gate_kind != "scalar":
-            raise PlanError(f"unsupported gate_kind={s.gate_kind!r}: the Hopper kernel has the scalar gate")
-        self.tiles.validate(s)
+        problem = spec_problem(self.spec)   # the supported-shape table (supported_shapes.py)
+        if problem:
+            raise PlanError(problem)
+        self.tiles.validate(self.spec)
 
     @property
     def name(self) -> str:

@@ -34,6 +34,7 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert "untuned sm_90a pack" in out
     assert "context parallel (segment tables from the pooled calibration" in out and "tp=2 native      2048 tokens: " in out
     assert "5 GDN layers x 8 v-heads" in err and "layer 0: " in err  # the calibration summary
+    assert "compile: 4 plan(s) to build" in err and "compile [4/4] " in err   # a progress line per plan
     m = read_manifest(pack)
     assert not m.tuned and m.gpu["arch"] == "sm_90a" and m.tp_sizes == (1, 2)
     assert sorted((p.tp_size, p.form, p.heads) for p in m.plans) == [
@@ -53,6 +54,12 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert data["toolchain"]["nvcc"] and data["toolchain"]["cutlass"] and data["calibration"]["sha256"]
     cal = json.loads((pack / "calibration.json").read_text())
     assert cal["checkpoint"]["sha256"] == m.checkpoint_sha256
+
+    # info PACK describes what was built
+    assert main(["info", str(pack)]) == 0
+    described = capsys.readouterr().out
+    assert "any sm_90 GPU" in described and "TP degrees 1, 2" in described and "DAMAGED" not in described
+    assert f"C++ host path: {m.host_extension.so}" in described and "model-wide table" in described
 
     # Unchanged checkpoint and options: reused, not rebuilt.
     before = (pack / "manifest.json").stat().st_mtime_ns

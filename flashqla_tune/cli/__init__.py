@@ -1,5 +1,6 @@
 """The `flashqla-tune` command. Each subcommand lives in its own module with
-add_parser(subparsers) and run(args) -> int."""
+add_parser(subparsers) and run(args) -> int; the modules import torch, the compiler and the
+calibration only inside run(), so `--help` of any command answers without them."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,10 @@ SUBCOMMANDS = ("info", "calibrate", "compile", "tune", "build", "cache", "bench"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="flashqla-tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"flashqla-tune {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"flashqla_tune.cli.{name}")

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 
-from .. import cache
-
 
 def add_parser(sub):
     p = sub.add_parser("cache", help="list or clear built kernel libraries")
@@ -16,16 +14,31 @@ def add_parser(sub):
     return p
 
 
+# Spill bytes (stores or loads, per kernel) a plan may have before `cache ls` flags it: the budget the
+# compile tests hold the shipped plans to (tests/test_build_cache.py, SPILL_BUDGET_BYTES).
+SPILL_FLAG_BYTES = 64
+
+
+def _spills(resources: dict) -> int:
+    """The largest spill (stores or loads, bytes) of any kernel in a ptxas report."""
+    return max((max(r.get("spill_stores", 0), r.get("spill_loads", 0)) for r in resources.values() if r.get("entry")),
+               default=0)
+
+
 def _resource_summary(resources: dict) -> str:
     kernels = {name: r for name, r in resources.items() if r.get("entry")}
     if not kernels:
         return "-"
     regs = max(r.get("registers", 0) for r in kernels.values())
     spills = sum(r.get("spill_stores", 0) + r.get("spill_loads", 0) for r in kernels.values())
-    return f"{regs} regs, {spills} B spilled"
+    if _spills(resources) > SPILL_FLAG_BYTES:
+        return f"{regs} regs, SPILLS {spills} B (a kernel above {SPILL_FLAG_BYTES} B)"
+    return f"{regs} regs, {spills} B spilled" if spills else f"{regs} regs, no spill"
 
 
 def run(args) -> int:
+    from .. import cache
+
     root = cache.kernels_dir()
     if args.cache_action == "clear":
         removed = cache.clear(match=args.match)
@@ -39,7 +52,9 @@ def run(args) -> int:
              "plan_name": e.manifest.get("plan_name") if e.manifest else None,
              "key": e.manifest.get("key") if e.manifest else None,
              "build_seconds": e.manifest.get("build_seconds") if e.manifest else None,
-             "resources": e.manifest.get("resources") if e.manifest else None} for e in entries]}, indent=2))
+             "resources": e.manifest.get("resources") if e.manifest else None,
+             "spill_flagged": bool(e.manifest) and _spills(e.manifest.get("resources", {})) > SPILL_FLAG_BYTES}
+            for e in entries]}, indent=2))
         return 0
     print(f"cache {root}: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'}")
     for e in entries:

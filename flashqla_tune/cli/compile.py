@@ -1,13 +1,20 @@
 """flashqla-tune compile: build the default plans for a spec or a checkpoint into the cache."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
-from .. import cache
-from ..build import BuildConfig
-from ..model_config import read_model_config
-from ..plan import default_plan
-from ..spec import GDNSpec
+DEFAULT_DTYPE, DEFAULT_STATE_LAYOUT = "bfloat16", "kv"
+
+
+def add_kernel_form_arguments(p) -> None:
+    """The kernels' tensor types: q/k/v dtype and state layout (`compile`, `tune` and `build`)."""
+    from ..supported_shapes import SUPPORTED
+
+    p.add_argument("--dtype", choices=SUPPORTED.qkv_dtypes,
+                   help=f"q/k/v dtype (default: the checkpoint's, else {DEFAULT_DTYPE})")
+    p.add_argument("--state-layout", choices=SUPPORTED.state_layouts,
+                   help=f"kv: [N,Hv,K,V]; vk: [N,Hv,V,K], state_v_first (default {DEFAULT_STATE_LAYOUT})")
 
 
 def add_spec_arguments(p, l2norm_help: str = "normalise q and k in the kernel") -> None:
@@ -15,8 +22,7 @@ def add_spec_arguments(p, l2norm_help: str = "normalise q and k in the kernel") 
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (or its config.json); else give --hqk/--hv")
     p.add_argument("--hqk", type=int, help="q/k heads")
     p.add_argument("--hv", type=int, help="v heads")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="q/k/v dtype")
-    p.add_argument("--state-layout", choices=("kv", "vk"), default="kv", help="kv: [N,Hv,K,V]; vk: [N,Hv,V,K]")
+    add_kernel_form_arguments(p)
     p.add_argument("--qk-l2norm", action="store_true", help=l2norm_help)
 
 
@@ -25,16 +31,38 @@ def add_parser(sub):
     add_spec_arguments(p)
     p.add_argument("--jobs", type=int, help="parallel nvcc processes (default: cores)")
     p.add_argument("--force", action="store_true", help="rebuild even when the cache has the entry")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     return p
 
 
-def specs_for(args) -> list[GDNSpec]:
+def with_kernel_form(spec, args):
+    """spec with the --dtype and --state-layout the command line gave."""
+    changes = {k: v for k, v in (("qkv_dtype", args.dtype), ("state_layout", args.state_layout)) if v is not None}
+    return dataclasses.replace(spec, **changes) if changes else spec
+
+
+def checkpoint_spec(checkpoint, args):
+    """A checkpoint's spec with the command line's kernel form, refused (naming the value) where the
+    supported-shape table has no kernel for it: reads config.json only."""
+    from ..model_config import read_model_config
+    from ..supported_shapes import check_model, check_spec
+
+    model = read_model_config(checkpoint)
+    check_model(model, str(checkpoint))
+    spec = with_kernel_form(model.spec, args)
+    check_spec(spec, str(checkpoint))
+    return spec
+
+
+def specs_for(args) -> list:
     """The specs to build: a checkpoint's (plus its Hqk = Hv form for GVA models), or the flags'."""
+    from ..spec import GDNSpec
+
     if args.checkpoint:
         if args.hqk is not None or args.hv is not None:
             raise ValueError("give either a checkpoint or --hqk/--hv, not both")
-        spec = read_model_config(args.checkpoint).spec
+        spec = checkpoint_spec(args.checkpoint, args)
         # Callers that repeat q/k up to Hv heads before the call need the Hqk = Hv binary too.
         specs = [spec]
         if spec.num_qk_heads != spec.num_v_heads:
@@ -42,8 +70,8 @@ def specs_for(args) -> list[GDNSpec]:
         return specs
     if args.hqk is None or args.hv is None:
         raise ValueError("compile needs a checkpoint or both --hqk and --hv")
-    return [GDNSpec(num_qk_heads=args.hqk, num_v_heads=args.hv, qkv_dtype=args.dtype,
-                    state_layout=args.state_layout, qk_l2norm_in_kernel=args.qk_l2norm)]
+    return [GDNSpec(num_qk_heads=args.hqk, num_v_heads=args.hv, qkv_dtype=args.dtype or DEFAULT_DTYPE,
+                    state_layout=args.state_layout or DEFAULT_STATE_LAYOUT, qk_l2norm_in_kernel=args.qk_l2norm)]
 
 
 def _kernels(resources: dict) -> dict:
@@ -51,10 +79,16 @@ def _kernels(resources: dict) -> dict:
 
 
 def run(args) -> int:
+    import sys
+
+    from ..pack_build import compile_plans
+    from ..plan import default_plan
+
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs={args.jobs} must be at least 1")
     plans = [default_plan(s) for s in specs_for(args)]
-    entries = cache.get_kernels(plans, config=BuildConfig(), jobs=args.jobs, force=args.force)
+    entries = compile_plans(plans, jobs=args.jobs, force=args.force, progress=not args.no_progress,
+                            log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps([{"plan": e.plan.name, "path": str(e.path), "built": e.built,
                            "build_seconds": e.build_seconds, "resources": e.resources} for e in entries], indent=2))

@@ -1,0 +1,100 @@
+"""The shapes the kernels are built for: one table that the plan, the op's host checks, `info` and
+`build` consult, so an unsupported model is refused before any work (calibrating, compiling).
+
+A leaf (it imports only spec.py, and no torch: `info` answers without it). Dtypes are named as
+torch names them; the op maps the names to torch dtypes. Widening what is supported is one edit of
+SUPPORTED, the kernels' side (templates, csrc/) aside.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import GDNSpec
+
+
+class UnsupportedShapeError(ValueError):
+    """A spec, a model or a call has a shape or dtype no kernel here is built for."""
+
+
+@dataclass(frozen=True)
+class ShapeTable:
+    head_k_dims: tuple[int, ...]
+    head_v_dims: tuple[int, ...]
+    chunk_sizes: tuple[int, ...]
+    gate_kinds: tuple[str, ...]
+    qkv_dtypes: tuple[str, ...]       # q, k and v share one of these
+    gate_dtypes: tuple[str, ...]      # g and beta as the op takes them (bfloat16 is upcast)
+    state_layouts: tuple[str, ...]    # kv: [N,Hv,K,V]; vk: [N,Hv,V,K] (state_v_first)
+    what: str                         # the kernels this table describes, for messages
+
+
+SUPPORTED = ShapeTable(
+    head_k_dims=(128,),
+    head_v_dims=(128,),
+    chunk_sizes=(64,),
+    gate_kinds=("scalar",),
+    qkv_dtypes=("bfloat16", "float16"),
+    gate_dtypes=("float32", "bfloat16"),
+    state_layouts=("kv", "vk"),
+    what="the Hopper kernels",
+)
+
+# The op's chunk length in tokens (the one chunk size the kernels run).
+CHUNK_SIZE = SUPPORTED.chunk_sizes[0]
+
+
+def _listed(values) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+def head_dims_problem(head_k_dim: int, head_v_dim: int) -> str | None:
+    t = SUPPORTED
+    if head_k_dim in t.head_k_dims and head_v_dim in t.head_v_dims:
+        return None
+    return (f"unsupported head dims K={head_k_dim}, V={head_v_dim}: {t.what} support K = {_listed(t.head_k_dims)} "
+            f"and V = {_listed(t.head_v_dims)}")
+
+
+def heads_problem(num_qk_heads: int, num_v_heads: int) -> str | None:
+    """Each v-head reads q/k head h // (Hv / Hqk): Hv must be a positive multiple of Hqk."""
+    if num_qk_heads < 1 or num_v_heads < 1 or num_v_heads % num_qk_heads:
+        return (f"v heads Hv={num_v_heads} must be a multiple of q/k heads Hqk={num_qk_heads} "
+                f"(v-head h reads q/k head h // (Hv/Hqk))")
+    return None
+
+
+def spec_problem(spec: GDNSpec) -> str | None:
+    """Why no kernel is built for spec, naming the value; None when the table supports it."""
+    t = SUPPORTED
+    problem = head_dims_problem(spec.head_k_dim, spec.head_v_dim) or heads_problem(spec.num_qk_heads,
+                                                                                   spec.num_v_heads)
+    if problem:
+        return problem
+    if spec.chunk_size not in t.chunk_sizes:
+        return f"unsupported chunk_size={spec.chunk_size}: {t.what} use {_listed(t.chunk_sizes)}"
+    if spec.gate_kind not in t.gate_kinds:
+        return f"unsupported gate_kind={spec.gate_kind!r}: {t.what} have the {_listed(t.gate_kinds)} gate"
+    if spec.qkv_dtype not in t.qkv_dtypes:
+        return f"unsupported qkv_dtype={spec.qkv_dtype!r}: {t.what} take {_listed(t.qkv_dtypes)}"
+    if spec.state_layout not in t.state_layouts:
+        return f"unsupported state_layout={spec.state_layout!r}: {t.what} take {_listed(t.state_layouts)}"
+    return None
+
+
+def check_spec(spec: GDNSpec, where: str = "") -> None:
+    """Raise UnsupportedShapeError (prefixed with `where`) when no kernel is built for spec."""
+    problem = spec_problem(spec)
+    if problem:
+        raise UnsupportedShapeError(f"{where}: {problem}" if where else problem)
+
+
+def check_model(model, where: str = "") -> None:
+    """A checkpoint's GDN facts (model_config.ModelGDNConfig): it has GDN layers and the table
+    supports its spec."""
+    if not model.gdn_layers:
+        raise UnsupportedShapeError(f"{where + ': ' if where else ''}the model has no GDN (linear_attention) layers")
+    check_spec(model.spec, where)
+
+
+__all__ = ["CHUNK_SIZE", "SUPPORTED", "ShapeTable", "UnsupportedShapeError", "check_model", "check_spec",
+           "head_dims_problem", "heads_problem", "spec_problem"]
