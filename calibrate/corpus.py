@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..calibration_settings import CalibrationError
-from .hashing import corpus_hash
+from ..content_hash import corpus_hash
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".html")
 

@@ -19,7 +19,7 @@ from ..model_config import ConfigError, read_model_config
 from .adapters import adapter_class
 from .corpus import load_tokenizer, read_corpus, tokenize_corpus
 from .default_model import default_model_path
-from .hashing import checkpoint_hash
+from ..content_hash import checkpoint_hash
 from .runner import run_layer_by_layer, steps
 from .weights import WeightIndex
 

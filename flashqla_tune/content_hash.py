@@ -13,9 +13,9 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ..calibration_settings import CalibrationError
-from ..environment import cache_dir
-from ..files import atomic_write_text, sha256_file
+from .calibration_settings import CalibrationError
+from .environment import cache_dir
+from .files import atomic_write_text, sha256_file
 
 WEIGHT_SUFFIXES = (".safetensors",)
 

@@ -157,7 +157,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         if corpus is not None or seq_len is not None or max_sequences is not None or settings is not None:
             raise ValueError("a finished calibration brings its own corpus and settings: give calibration= "
                              "or the calibration options, not both")
-    from .calibrate.hashing import checkpoint_hash
+    from .content_hash import checkpoint_hash
     from .calibration_artifact import load_calibration
     from .calibration_settings import CalibrationSettings
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashqla_tune import files
-from flashqla_tune.calibrate.hashing import HashCache, checkpoint_hash, corpus_hash
+from flashqla_tune.content_hash import HashCache, checkpoint_hash, corpus_hash
 from flashqla_tune.calibrate.statistics import calibrate_gates
 from flashqla_tune.calibration_artifact import Calibration, load_calibration, save_calibration
 from flashqla_tune.calibration_settings import CalibrationError, CalibrationSettings

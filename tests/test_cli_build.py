@@ -13,7 +13,7 @@ import pytest
 
 from flashqla_tune import cache as kernel_cache
 from flashqla_tune import pack_build
-from flashqla_tune.calibrate.hashing import checkpoint_hash
+from flashqla_tune.content_hash import checkpoint_hash
 from flashqla_tune.calibration_artifact import save_calibration
 from flashqla_tune.cli import main
 from flashqla_tune.files import sha256_file
