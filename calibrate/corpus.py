@@ -2,6 +2,7 @@
 checkpoint's own tokenizer into equal-length sequences."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -27,13 +28,51 @@ def read_corpus(source: str | Path | None) -> list[tuple[str, str]]:
             raise CalibrationError(f"corpus folder {path} holds no text files ({', '.join(TEXT_SUFFIXES)})")
     elif path.is_file():
         files = [path]
+    elif path.exists():
+        raise CalibrationError(f"corpus {path} is not a regular file or a folder (a device, pipe or socket): "
+                               f"give a text file or a folder of text files")
     else:
         raise CalibrationError(f"corpus {path} does not exist")
-    texts = [(str(f.relative_to(path) if path.is_dir() else f.name), f.read_text(encoding="utf-8", errors="replace"))
-             for f in files]
+    texts = []
+    for f in files:
+        text = decode_text(f, path.is_dir())
+        if text is not None:
+            texts.append((str(f.relative_to(path) if path.is_dir() else f.name), text))
     if not any(t.strip() for _, t in texts):
         raise CalibrationError(f"corpus {path} is empty")
     return texts
+
+
+class CorpusWarning(UserWarning):
+    """A corpus file was read, but not as clean UTF-8 text."""
+
+
+# A file whose bytes are this share (or more) undecodable as UTF-8 is binary data, not text in
+# another encoding (Latin-1 prose has a few percent, up to some ten, of non-ASCII bytes).
+BINARY_UNDECODABLE_SHARE = 0.3
+
+
+def decode_text(file: Path, in_folder: bool) -> str | None:
+    """file's text. A binary file (NUL bytes, or mostly undecodable) is refused, or skipped with a
+    warning inside a folder (None); text that is not UTF-8 is decoded with replacement characters,
+    with a warning naming the file."""
+    data = file.read_bytes()
+    if b"\0" not in data:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - data.decode("utf-8", errors="ignore").count("\ufffd")
+    if b"\0" in data or bad >= BINARY_UNDECODABLE_SHARE * max(len(text), 1):
+        why = "holds NUL bytes" if b"\0" in data else f"has {bad} undecodable bytes in {len(data)}"
+        if not in_folder:
+            raise CalibrationError(f"corpus {file} {why}: a binary file, not text; give a text file")
+        warnings.warn(f"corpus file {file} {why}: a binary file, skipped", CorpusWarning, stacklevel=3)
+        return None
+    warnings.warn(f"corpus file {file} is not UTF-8 text ({bad} undecodable bytes, read as U+FFFD): "
+                  f"convert it to UTF-8 for a faithful calibration", CorpusWarning, stacklevel=3)
+    return text
 
 
 def load_tokenizer(checkpoint: str | Path):

@@ -3,7 +3,8 @@ checkpoint and corpus hashes), and its reading and writing.
 
 A leaf shared by both sides: the calibration pass (calibrate/) makes and saves these records, a
 kernel pack's loader reads them. Loading fails closed: another checkpoint's artifact, an unknown
-schema, or a damaged file is an error that says which, never a silently reused table.
+schema, or a damaged file (any field of the wrong type, out of range, or disagreeing with the
+spec or the settings) is an error that names the file and the field, never a silently reused table.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from statistics import median
 from . import __version__
 from .calibration_settings import CalibrationError, CalibrationSettings
 from .files import atomic_write_text
+from .spec import GDNSpec
 
 WARMUP, EXACT = "warmup", "exact"
 # Quantile levels of the per-chunk summed log-decay stored per head (0 = most decay).
@@ -114,6 +116,8 @@ class Calibration:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> "Calibration":
+        """Read a stored artifact, checking every field against the schema: a wrong type, a value
+        out of range or tables that disagree is an error naming source and the field."""
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             raise CalibrationError(f"{source} is not a flashqla-tune calibration artifact "
                                    f"(schema {data.get('schema') if isinstance(data, dict) else None!r})")
@@ -122,21 +126,81 @@ class Calibration:
             raise CalibrationError(f"{source} has calibration schema version {version!r}; this tool "
                                    f"({__version__}) reads version {SCHEMA_VERSION}: recalibrate")
         try:
-            levels = tuple(data["quantile_levels"])
-            if levels != QUANTILE_LEVELS:
-                raise CalibrationError(f"{source} stores quantile levels {levels}, expected {QUANTILE_LEVELS}")
-            ck = data["checkpoint"]
-            return cls(
-                checkpoint_sha256=ck["sha256"], checkpoint_path=ck["path"], family=ck["family"],
-                model_type=ck["model_type"], spec=ck["spec"], corpus=data["corpus"],
-                settings=CalibrationSettings.from_dict(data["settings"]),
-                layers=[_layer_from_dict(d) for d in data["layers"]], run=data.get("run", {}),
-                tool_version=data["tool_version"], schema_version=version,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, CalibrationError):
-                raise
-            raise CalibrationError(f"{source} is a damaged calibration artifact: {type(exc).__name__}: {exc}") from exc
+            return _calibration_from_dict(data, version)
+        except _FieldError as exc:
+            raise CalibrationError(f"{source} is a damaged calibration artifact: {exc}") from None
+
+
+class _FieldError(ValueError):
+    """A stored field that breaks the schema; the message starts with the field's path."""
+
+
+def _field(data: dict, key: str, where: str):
+    if not isinstance(data, dict):
+        raise _FieldError(f"{where or 'the file'} is a JSON {type(data).__name__}, not an object")
+    if key not in data:
+        raise _FieldError(f"{where + '.' if where else ''}{key} is missing")
+    return data[key]
+
+
+def _int(value, where: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _FieldError(f"{where} is {value!r}: it must be an integer")
+    if value < low or (high is not None and value > high):
+        bound = (str(low) if low == high else f"{low}..{high}") if high is not None else f">= {low}"
+        raise _FieldError(f"{where} is {value}: it must be {bound}")
+    return value
+
+
+def _number(value, where: str, low: float | None = None, high: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise _FieldError(f"{where} is {value!r}: it must be a number")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _FieldError(f"{where} is {value}: it must be in [{low}, {high}]")
+    return float(value)
+
+
+def _list(value, where: str) -> list:
+    if not isinstance(value, list):
+        raise _FieldError(f"{where} is {type(value).__name__} {value!r:.40}: it must be a list")
+    return value
+
+
+def _calibration_from_dict(data: dict, version: int) -> Calibration:
+    levels = _list(_field(data, "quantile_levels", ""), "quantile_levels")
+    if tuple(levels) != QUANTILE_LEVELS:
+        raise _FieldError(f"quantile_levels are {tuple(levels)}, expected {QUANTILE_LEVELS}")
+    ck = _field(data, "checkpoint", "")
+    texts = {key: _field(ck, key, "checkpoint") for key in ("sha256", "path", "family", "model_type")}
+    for key, value in texts.items():
+        if not isinstance(value, str):
+            raise _FieldError(f"checkpoint.{key} is {value!r}: it must be a string")
+    spec = _field(ck, "spec", "checkpoint")
+    try:
+        num_v_heads = GDNSpec.from_dict(spec).num_v_heads if isinstance(spec, dict) else None
+    except (TypeError, ValueError) as exc:
+        raise _FieldError(f"checkpoint.spec: {exc}") from None
+    if num_v_heads is None:
+        raise _FieldError(f"checkpoint.spec is {spec!r}: it must be an object")
+    corpus = _field(data, "corpus", "")
+    if not isinstance(corpus, dict):
+        raise _FieldError(f"corpus is {corpus!r}: it must be an object")
+    try:
+        settings = CalibrationSettings.from_dict(_field(data, "settings", ""))
+    except CalibrationError as exc:
+        raise _FieldError(f"settings: {exc}") from None
+    layers = _list(_field(data, "layers", ""), "layers")
+    if not layers:
+        raise _FieldError("layers is []: a calibration has at least one GDN layer")
+    parsed = [_layer_from_dict(d, i, settings, num_v_heads) for i, d in enumerate(layers)]
+    run = data.get("run", {})
+    tool_version = _field(data, "tool_version", "")
+    if not isinstance(run, dict) or not isinstance(tool_version, str):
+        raise _FieldError(f"run ({type(run).__name__}) must be an object and tool_version "
+                          f"({tool_version!r}) a string")
+    return Calibration(checkpoint_sha256=texts["sha256"], checkpoint_path=texts["path"], family=texts["family"],
+                       model_type=texts["model_type"], spec=spec, corpus=corpus, settings=settings, layers=parsed,
+                       run=run, tool_version=tool_version, schema_version=version)
 
 
 def _layer_to_dict(layer: LayerStats, max_window: int) -> dict:
@@ -151,18 +215,46 @@ def _layer_to_dict(layer: LayerStats, max_window: int) -> dict:
     }
 
 
-def _layer_from_dict(d: dict) -> LayerStats:
+def _layer_from_dict(d: dict, index: int, settings: CalibrationSettings, num_v_heads: int) -> LayerStats:
+    """Layer `index` of the artifact: every v-head of the spec once, in order (head h at position
+    h), each a warm-up head with 1 <= n_h <= the settings' max window or an exact head."""
+    where = f"layers[{index}]"
+    layer = _int(_field(d, "layer", where), f"{where}.layer", index, index)
+    heads_data = _list(_field(d, "heads", where), f"{where}.heads")
+    if len(heads_data) != num_v_heads:
+        raise _FieldError(f"{where}.heads holds {len(heads_data)} heads, but the spec has "
+                          f"num_v_heads={num_v_heads} (every layer has one entry per v-head)")
     heads = []
-    for h in d["heads"]:
-        cls, n_h = h["class"], h["n_h"]
-        if cls not in (WARMUP, EXACT) or (cls == EXACT) != (n_h is None):
-            raise CalibrationError(f"layer {d['layer']} head {h['head']}: class {cls!r} with n_h {n_h!r}")
-        heads.append(HeadStats(head=int(h["head"]), n_h=None if n_h is None else int(n_h), cls=cls,
-                               chunk_log_decay_quantiles=tuple(float(x) for x in h["chunk_log_decay_quantiles"]),
-                               above_fraction=tuple(None if x is None else float(x) for x in h["above_fraction"]),
-                               zero_decay_fraction=float(h["zero_decay_fraction"])))
-    return LayerStats(layer=int(d["layer"]), decoder_layer=int(d["decoder_layer"]), num_tokens=int(d["num_tokens"]),
-                      num_chunks=int(d["num_chunks"]), heads=tuple(heads))
+    for position, h in enumerate(heads_data):
+        at = f"{where}.heads[{position}]"
+        head = _int(_field(h, "head", at), f"{at}.head", position, position)
+        cls, n_h = _field(h, "class", at), _field(h, "n_h", at)
+        if cls == WARMUP:
+            n_h = _int(n_h, f"{at}.n_h", 1, settings.max_window)
+        elif cls == EXACT:
+            if n_h is not None:
+                raise _FieldError(f"{at}.n_h is {n_h!r}: an exact head stores null")
+        else:
+            raise _FieldError(f"{at}.class is {cls!r}: it must be {WARMUP!r} or {EXACT!r}")
+        quantiles = _list(_field(h, "chunk_log_decay_quantiles", at), f"{at}.chunk_log_decay_quantiles")
+        if len(quantiles) != len(QUANTILE_LEVELS):
+            raise _FieldError(f"{at}.chunk_log_decay_quantiles holds {len(quantiles)} values, expected "
+                              f"{len(QUANTILE_LEVELS)} (one per quantile level)")
+        above = _list(_field(h, "above_fraction", at), f"{at}.above_fraction")
+        if len(above) != settings.max_window:
+            raise _FieldError(f"{at}.above_fraction holds {len(above)} values, expected one per window "
+                              f"length 1..{settings.max_window}")
+        heads.append(HeadStats(
+            head=head, n_h=n_h, cls=cls,
+            chunk_log_decay_quantiles=tuple(_number(x, f"{at}.chunk_log_decay_quantiles[{i}]")
+                                            for i, x in enumerate(quantiles)),
+            above_fraction=tuple(None if x is None else _number(x, f"{at}.above_fraction[{i}]", 0.0, 1.0)
+                                 for i, x in enumerate(above)),
+            zero_decay_fraction=_number(_field(h, "zero_decay_fraction", at), f"{at}.zero_decay_fraction",
+                                        0.0, 1.0)))
+    return LayerStats(layer=layer, decoder_layer=_int(_field(d, "decoder_layer", where), f"{where}.decoder_layer", 0),
+                      num_tokens=_int(_field(d, "num_tokens", where), f"{where}.num_tokens", 0),
+                      num_chunks=_int(_field(d, "num_chunks", where), f"{where}.num_chunks", 0), heads=tuple(heads))
 
 
 def save_calibration(cal: Calibration, path: str | Path) -> Path:

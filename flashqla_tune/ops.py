@@ -10,6 +10,8 @@ it is CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +98,17 @@ def check_shapes_and_types(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqle
 
 
 def _check_offsets(cu_cpu, expected_len, total_tokens):
-    values = [int(x) for x in (cu_cpu.tolist() if isinstance(cu_cpu, torch.Tensor) else cu_cpu)]
+    """cu_seqlens_cpu's offsets: integers (an integer tensor, or a list of ints), 0 first, non-decreasing,
+    ending at or before T. Rows past the last offset belong to no sequence (the op leaves them unwritten)."""
+    if isinstance(cu_cpu, torch.Tensor):
+        if cu_cpu.is_floating_point() or cu_cpu.is_complex() or cu_cpu.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens_cpu must hold integer offsets, got a {cu_cpu.dtype} tensor")
+        values = cu_cpu.tolist()
+    else:
+        values = list(cu_cpu)
+        for i, x in enumerate(values):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise ValueError(f"cu_seqlens_cpu[{i}]={x!r} is not an integer offset")
     if len(values) != expected_len:
         raise ValueError(f"cu_seqlens_cpu has {len(values)} entries but cu_seqlens has {expected_len}")
     if values[0] != 0:
@@ -165,6 +177,20 @@ def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chun
         raise TypeError(f"chunk_gated_delta_rule() got an unexpected keyword argument {name!r} ({reason})")
 
 
+def check_scale(scale) -> None:
+    """scale multiplies q k^T: None (K ** -0.5) or a finite real number."""
+    if scale is None:
+        return
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        value = None
+    if isinstance(scale, (bool, str, bytes)) or value is None:
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"scale={scale!r} must be a finite number")
+
+
 def check_grad(*tensors):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
@@ -222,6 +248,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     own length (the cost model's table), so short sequences and many-head calls run as one chain each.
 
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten.
+    scale must be finite, and cu_seqlens_cpu (when given) integer offsets. At K = V the two state
+    layouts have the same shape, so state_v_first cannot be checked against initial_state there:
+    the flag is taken as given.
 
     Eager calls go through the C++ host path (host_path) once a call of the same signature has run
     here and the extension is loaded (it builds in the background); it launches the same library
@@ -229,6 +258,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
             or chunk_indices is not None or cp_context is not None):
         check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
+    check_scale(scale)
     key = host_key(q, v, state_v_first, warmup, warmup_eps, "")
     fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
@@ -329,6 +359,7 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     B, T, Hqk = q.shape[:3]
     Hv = v.shape[2]
     check_grad(q, k, v, g, beta, initial_state)
+    check_scale(scale)
     check_gpu(q.device)
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -25,6 +25,8 @@ class ShapeTable:
     qkv_dtypes: tuple[str, ...]       # q, k and v share one of these
     gate_dtypes: tuple[str, ...]      # g and beta as the op takes them (bfloat16 is upcast)
     state_layouts: tuple[str, ...]    # kv: [N,Hv,K,V]; vk: [N,Hv,V,K] (state_v_first)
+    max_heads: int                    # bound on Hqk and Hv
+    max_window_chunks: int            # bound on a warm-up window n_h, in chunks
     what: str                         # the kernels this table describes, for messages
 
 
@@ -36,11 +38,17 @@ SUPPORTED = ShapeTable(
     qkv_dtypes=("bfloat16", "float16"),
     gate_dtypes=("float32", "bfloat16"),
     state_layouts=("kv", "vk"),
+    # The v-heads are the launch grid's y dimension (csrc/gdn_fwd_host.cuh), which CUDA caps at 65535.
+    max_heads=65535,
+    # The one window cap the kernels' warm-up tables enforce (warmup_tables.normalise).
+    max_window_chunks=1024,
     what="the Hopper kernels",
 )
 
 # The op's chunk length in tokens (the one chunk size the kernels run).
 CHUNK_SIZE = SUPPORTED.chunk_sizes[0]
+# The longest warm-up window in chunks: calibration settings, artifacts and warm-up tables are bounded by it.
+MAX_WINDOW_CHUNKS = SUPPORTED.max_window_chunks
 
 
 def _listed(values) -> str:
@@ -55,8 +63,19 @@ def head_dims_problem(head_k_dim: int, head_v_dim: int) -> str | None:
             f"and V = {_listed(t.head_v_dims)}")
 
 
+def is_count(value) -> bool:
+    """A positive int (a bool is not a count, and neither is 2.0)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def heads_problem(num_qk_heads: int, num_v_heads: int) -> str | None:
-    """Each v-head reads q/k head h // (Hv / Hqk): Hv must be a positive multiple of Hqk."""
+    """Each v-head reads q/k head h // (Hv / Hqk): Hv must be a positive multiple of Hqk, and
+    both are bounded by the table's max_heads."""
+    for name, value in (("q/k heads Hqk", num_qk_heads), ("v heads Hv", num_v_heads)):
+        if not is_count(value):
+            return f"{name}={value!r} must be a positive integer"
+        if value > SUPPORTED.max_heads:
+            return f"{name}={value} exceeds the {SUPPORTED.max_heads} heads {SUPPORTED.what} launch"
     if num_qk_heads < 1 or num_v_heads < 1 or num_v_heads % num_qk_heads:
         return (f"v heads Hv={num_v_heads} must be a multiple of q/k heads Hqk={num_qk_heads} "
                 f"(v-head h reads q/k head h // (Hv/Hqk))")
@@ -88,6 +107,24 @@ def check_spec(spec: GDNSpec, where: str = "") -> None:
         raise UnsupportedShapeError(f"{where}: {problem}" if where else problem)
 
 
+def dtype_problem(checkpoint_dtype: str, qkv_dtype: str | None = None) -> str | None:
+    """Why a checkpoint of checkpoint_dtype (its config.json's) gets no kernel unless the caller
+    names the q/k/v dtype to build (qkv_dtype, e.g. `--dtype`); None when it does."""
+    t = SUPPORTED
+    if qkv_dtype is not None or checkpoint_dtype in t.qkv_dtypes:
+        return None
+    return (f"the checkpoint's dtype is {checkpoint_dtype!r}; {t.what} take {_listed(t.qkv_dtypes)}: "
+            f"pass --dtype {' or --dtype '.join(t.qkv_dtypes)} to say which to build")
+
+
+def check_checkpoint_dtype(model, qkv_dtype: str | None = None, where: str = "") -> None:
+    """Refuse a checkpoint whose dtype no kernel takes (model_config.ModelGDNConfig.checkpoint_dtype),
+    unless qkv_dtype says what to build."""
+    problem = dtype_problem(model.checkpoint_dtype, qkv_dtype)
+    if problem:
+        raise UnsupportedShapeError(f"{where}: {problem}" if where else problem)
+
+
 def check_model(model, where: str = "") -> None:
     """A checkpoint's GDN facts (model_config.ModelGDNConfig): it has GDN layers and the table
     supports its spec."""
@@ -96,5 +133,6 @@ def check_model(model, where: str = "") -> None:
     check_spec(model.spec, where)
 
 
-__all__ = ["CHUNK_SIZE", "SUPPORTED", "ShapeTable", "UnsupportedShapeError", "check_model", "check_spec",
-           "head_dims_problem", "heads_problem", "spec_problem"]
+__all__ = ["CHUNK_SIZE", "MAX_WINDOW_CHUNKS", "SUPPORTED", "ShapeTable", "UnsupportedShapeError",
+           "check_checkpoint_dtype", "check_model", "check_spec", "dtype_problem", "head_dims_problem",
+           "heads_problem", "is_count", "spec_problem"]

@@ -19,8 +19,8 @@ from .calibration_settings import DEFAULT_EPS  # the calibration's default eps: 
 from .cp_cost_model import Machine, WarmupProfile, check_segment_table, segment_table
 from .plan import KernelPlan
 from .segment_policy import MAX_SEGMENTS, SEGMENT_BUCKETS, bucket_of_chunks, segments_of
+from .supported_shapes import MAX_WINDOW_CHUNKS  # the longest warm-up window a table may hold, in chunks
 
-MAX_WINDOW_CHUNKS = 1024    # a window is a warm-up over n_h chunks; calibration caps n_h at 16
 # The op's window when the caller gives no table (DESIGN.md): 512 tokens. The guard still decides
 # per boundary and input, so a head whose gates do not decay that fast is chained exactly; the
 # protocol's gates (logsigmoid(randn) / 16) need 4-5 chunks, so 8 covers them with room.

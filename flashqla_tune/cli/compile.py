@@ -44,12 +44,14 @@ def with_kernel_form(spec, args):
 
 def checkpoint_spec(checkpoint, args):
     """A checkpoint's spec with the command line's kernel form, refused (naming the value) where the
-    supported-shape table has no kernel for it: reads config.json only."""
+    supported-shape table has no kernel for it (a checkpoint dtype the kernels do not take, unless
+    --dtype names the one to build): reads config.json only."""
     from ..model_config import read_model_config
-    from ..supported_shapes import check_model, check_spec
+    from ..supported_shapes import check_checkpoint_dtype, check_model, check_spec
 
     model = read_model_config(checkpoint)
     check_model(model, str(checkpoint))
+    check_checkpoint_dtype(model, args.dtype, str(checkpoint))
     spec = with_kernel_form(model.spec, args)
     check_spec(spec, str(checkpoint))
     return spec
@@ -58,6 +60,7 @@ def checkpoint_spec(checkpoint, args):
 def specs_for(args) -> list:
     """The specs to build: a checkpoint's (plus its Hqk = Hv form for GVA models), or the flags'."""
     from ..spec import GDNSpec
+    from ..supported_shapes import check_spec
 
     if args.checkpoint:
         if args.hqk is not None or args.hv is not None:
@@ -70,8 +73,10 @@ def specs_for(args) -> list:
         return specs
     if args.hqk is None or args.hv is None:
         raise ValueError("compile needs a checkpoint or both --hqk and --hv")
-    return [GDNSpec(num_qk_heads=args.hqk, num_v_heads=args.hv, qkv_dtype=args.dtype or DEFAULT_DTYPE,
-                    state_layout=args.state_layout or DEFAULT_STATE_LAYOUT, qk_l2norm_in_kernel=args.qk_l2norm)]
+    spec = GDNSpec(num_qk_heads=args.hqk, num_v_heads=args.hv, qkv_dtype=args.dtype or DEFAULT_DTYPE,
+                   state_layout=args.state_layout or DEFAULT_STATE_LAYOUT, qk_l2norm_in_kernel=args.qk_l2norm)
+    check_spec(spec, f"--hqk {args.hqk} --hv {args.hv}")   # before any template is rendered
+    return [spec]
 
 
 def _kernels(resources: dict) -> dict:

@@ -39,10 +39,11 @@ def run(args) -> int:
 
 def _checked_model(path: Path):
     from ..model_config import read_model_config
-    from ..supported_shapes import check_model
+    from ..supported_shapes import check_checkpoint_dtype, check_model
 
     model = read_model_config(path)
     check_model(model, str(path))
+    check_checkpoint_dtype(model, None, str(path))   # info has no --dtype: its spec would be a guess
     return model
 
 
