@@ -30,7 +30,6 @@
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cub/block/block_scan.cuh>
-#include <cute/arch/copy_sm90_tma.hpp>  // SM90_BULK_COPY_G2S: the chain's M
 #include <cutlass/arch/barrier.h>
 #include <stdint.h>
 
@@ -38,6 +37,7 @@
 #include "gdn_pipeline.cuh"
 #include "gdn_segment_policy.h"  // kSegmentBuckets, kMaxSegments, segment_chunks_for, segments_of
 #include "gdn_sequences.cuh"
+#include "gdn_tma_producer.cuh"  // the chain's M, one bulk copy per step
 
 namespace fqt {
 
@@ -265,6 +265,45 @@ __device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
   }
 }
 
+// The CP job scheduler: how a context-parallel call's work is split between CTAs, from the plan's
+// arguments (CpPlanArgs).
+//   - Job rows: row z * Hv + hv plans segment z of v-head hv (plan_cp_jobs). The prep's CTAs take
+//     them once their items are done, from the last CTA back (those had at most as many items).
+//   - Chain CTAs: CTA (i, hv, column slice) walks the boundaries of sequence i for v-head hv; of
+//     its segments [first, first + count), boundary j is chained when it is exact.
+template <int Hv>
+struct CpScheduler {
+  // Calls plan_row(row) for each job row of this CTA of the prep grid.
+  template <class PlanRow>
+  static __device__ __forceinline__ void for_each_job_row(const CpPlanArgs& a, PlanRow&& plan_row) {
+    const int64_t rows = a.num_segments * Hv;
+    for (int64_t row = int64_t(gridDim.x) - 1 - blockIdx.x; row < rows; row += gridDim.x) plan_row(row);
+  }
+
+  // A chain CTA's work: its sequence's segments and v-head.
+  struct ChainWork {
+    const CpPlanArgs& a;
+    int64_t first;  // the sequence's first segment
+    int32_t count;  // its segments
+    int hv;
+    // Whether boundary j (the start of the sequence's segment j) is chained exactly.
+    __device__ __forceinline__ bool exact_at(int32_t j) const {
+      return first + j < a.num_segments && a.exact[(first + j) * Hv + hv];
+    }
+    // The first exact boundary at or after j (count when none is left).
+    __device__ __forceinline__ int32_t next_exact(int32_t j) const {
+      while (j < count && !exact_at(j)) ++j;
+      return j;
+    }
+  };
+  static __device__ __forceinline__ ChainWork chain_work(const CpPlanArgs& a) {
+    return ChainWork{a, a.seq_first[blockIdx.x], a.seq_count[blockIdx.x], int(blockIdx.y)};
+  }
+  // This chain CTA's first state column (blockIdx.z: its slice of Columns).
+  template <int Columns>
+  static __device__ __forceinline__ int first_column() { return blockIdx.z * Columns; }
+};
+
 // One CTA per (sequence, v-head, Columns state columns): the exact boundaries of the sequence in
 // order. S_j = M_{j-1} S_{j-1} + H_{j-1}, where S_{j-1} is whatever segment j-1 starts from (the
 // sequence's h0, a warm-up state, or this loop's previous result). Columns are independent, so
@@ -282,10 +321,22 @@ __device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
 constexpr int kChainThreads = 256;   // kChainThreads / K threads per state row, each its part of the columns
 constexpr int kChainPartials = 4;    // running sums per output element, over m mod 4
 
+// M's two buffers: the bulk copies complete on the full barriers; a buffer is free again once the
+// CTA-wide barrier that closes the step reading it has passed.
+using ChainRing = MbarrierPipeline<2, /*Transactions=*/true, ConsumerRelease::kCtaBarrier>;
+
+// The chain's shared memory: M's two buffers (m-major, as in global memory), the step's start
+// state and the ring's barriers.
+template <int K, int Columns>
+struct ChainSharedStorage {
+  float m[2][K * K];
+  float prev[K * Columns];  // [K][Columns]
+  ChainRing::Storage ring;
+};
+
 template <int K, int Columns>
 constexpr int chain_smem_bytes() {
-  // two M buffers, the start state, the buffers' barriers
-  return int(sizeof(float)) * (2 * K * K + K * Columns) + 2 * int(sizeof(uint64_t));
+  return int(sizeof(ChainSharedStorage<K, Columns>));
 }
 
 template <int Hv, int K, int V, bool VFirst, int Columns>
@@ -297,62 +348,56 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   constexpr int kHalf = Columns / (kChainThreads / K);  // this thread's columns (half of them at K = 128)
   static_assert(kHalf == 2 || (kHalf > 0 && kHalf % 4 == 0), "a thread's columns are read as one float2 or float4s");
   constexpr int64_t kState = int64_t(K) * V;
-  // M's two buffers: the bulk copies complete on the full barriers; a buffer is free again once
-  // the CTA-wide barrier that closes the step reading it has passed.
-  using Ring = MbarrierPipeline<2, /*Transactions=*/true, ConsumerRelease::kCtaBarrier>;
+  using Ring = ChainRing;
   extern __shared__ __align__(16) float chain_smem[];
-  float* m_buf = chain_smem;                       // [2][K][K], M m-major as in global memory
-  float* prev = chain_smem + 2 * K * K;            // [K][Columns]
-  auto& ring_barriers = *reinterpret_cast<typename Ring::Storage*>(prev + K * Columns);
+  auto& ss = *reinterpret_cast<ChainSharedStorage<K, Columns>*>(chain_smem);
+  float* m_buf = &ss.m[0][0];  // [2][K][K]
+  float* prev = ss.prev;
   // The forward pass may launch now: its unchained jobs need nothing from here, and its chained
   // ones wait for this grid to finish (every chain CTA is resident or done before it starts).
   allow_dependent_launch();
-  const int64_t i = blockIdx.x;
-  const int hv = blockIdx.y;
-  const int col0 = blockIdx.z * Columns;
+  using Scheduler = CpScheduler<Hv>;
+  const int col0 = Scheduler::template first_column<Columns>();
   const int kk = threadIdx.x % K;                  // the state row this thread computes
   const int c0 = (threadIdx.x / K) * kHalf;        // its first column within the CTA's
   auto at = [](int64_t r, int64_t c) -> int64_t { return VFirst ? c * K + r : r * V + c; };  // (k, v) element
   if (threadIdx.x == 0) {
-    Ring::init(ring_barriers, 1);
+    Ring::init(ss.ring, 1);
     cutlass::arch::fence_barrier_init();
   }
-  const int64_t first = a.seq_first[i];
-  const int32_t n = a.seq_count[i];
-  auto exact_at = [&](int32_t j) { return first + j < a.num_segments && a.exact[(first + j) * Hv + hv]; };
-  auto next_exact = [&](int32_t j) {
-    while (j < n && !exact_at(j)) ++j;
-    return j;
-  };
+  const typename Scheduler::ChainWork work = Scheduler::chain_work(a);
+  const int64_t first = work.first;
+  const int32_t n = work.count;
+  const int hv = work.hv;
   {
     // Most CTAs have nothing to chain (only exact heads work). Their flags are read at once, one
     // per thread, so such a CTA frees its SM after one load instead of walking the boundaries one
     // dependent load at a time. The barrier also orders the barrier init above before any wait.
     bool any = false;
-    for (int32_t b = 1 + int32_t(threadIdx.x); b < n; b += kChainThreads) any = any || exact_at(b);
+    for (int32_t b = 1 + int32_t(threadIdx.x); b < n; b += kChainThreads) any = any || work.exact_at(b);
     if (!__syncthreads_or(any)) return;
   }
   // M lies m-major, (k, m) at m K + k, in global memory as in shared: shared row m is M's column
   // m. The whole K x K fp32 comes by one bulk copy that one thread issues, completing on the
   // buffer's barrier (16-byte cp.async copies, or one bulk copy per row, take far longer to issue:
   // docs/kernel-notes.md).
-  const Ring ring(ring_barriers);
+  const TmaProducer<Ring> load(ss.ring);
+  const Ring& ring = load.pipe;
   auto fill = [&](int32_t j, PairState st) {
     if (threadIdx.x == 0) {
       // the buffer's last readers passed the barrier that closed the previous step: order their
       // generic reads before the copy's async-proxy writes
       cutlass::arch::fence_view_async_shared();
       constexpr uint32_t kBytes = uint32_t(sizeof(float)) * K * K;
-      ring.producer_expect(st, kBytes);
-      cute::SM90_BULK_COPY_G2S::copy(a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K, &ring.full_barrier(st),
-                                     m_buf + st.index() * K * K, int32_t(kBytes));
+      load.expect(st, kBytes);
+      load.bulk(st, a.m_end + ((first + j) * Hv + hv) * int64_t(K) * K, m_buf + st.index() * K * K, kBytes);
     }
   };
   auto load_h = [&](int32_t j, float (&h)[kHalf]) {
     const float* src = a.h_end + ((first + j) * Hv + hv) * kState;
     for (int c = 0; c < kHalf; ++c) h[c] = src[at(kk, col0 + c0 + c)];
   };
-  int32_t j = next_exact(1);
+  int32_t j = work.next_exact(1);
   if (j >= n) return;
   fill(j, PairState{0, 0u});
   float h_cur[kHalf];
@@ -364,7 +409,7 @@ __global__ void __launch_bounds__(kChainThreads) cp_chain_kernel(const CpPlanArg
   int32_t last = -1;  // the boundary whose result `prev` holds
   while (j < n) {
     const int64_t row = (first + j) * Hv + hv;
-    const int32_t following = next_exact(j + 1);
+    const int32_t following = work.next_exact(j + 1);
     float h_next[kHalf];
     if (following < n) {
       fill(following, PairState{buf, phases}.next());  // its buffer's last reads precede the previous step's closing barrier

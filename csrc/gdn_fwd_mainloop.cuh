@@ -20,9 +20,12 @@
 // The kernel composes collectives, each a type over the plan's configuration (FwdConfig, which
 // takes the head dims K and V as template parameters): FwdScheduler (which sequence or CP job a
 // CTA runs), FwdWarpRoles (which warp group does what), FwdProducer (the TMA loads into the stage
-// ring, FwdConfig::MainPipeline from gdn_pipeline.cuh), FwdChunkConsumer (the chunk step above and
-// the end state), FwdOutputWarpGroup (the O GEMMs of an OutputGroup plan, fed through
-// FwdConfig::HandoffPipeline) and FwdEpilogue (O through shared memory to global memory).
+// ring, FwdConfig::MainPipeline from gdn_pipeline.cuh, through the TmaProducer of
+// gdn_tma_producer.cuh that the prep and the CP chain use too), FwdChunkConsumer (the chunk step
+// above and the end state), FwdOutputWarpGroup (the O GEMMs of an OutputGroup plan, fed through
+// FwdConfig::HandoffPipeline) and FwdEpilogue (O through shared memory to global memory). The
+// producer, the output warp group and the epilogue declare their shared storage;
+// FwdSharedStorage composes it with the pipelines' barriers.
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -36,6 +39,7 @@
 #include "gdn_grid_sync.cuh"
 #include "gdn_pipeline.cuh"
 #include "gdn_sequences.cuh"
+#include "gdn_tma_producer.cuh"
 #include "gdn_wgmma.cuh"
 
 namespace fqt {
@@ -44,6 +48,9 @@ using namespace cute;
 
 constexpr int kRowsPerConsumer = 64;  // wgmma M: state rows (values) per consumer warp group
 constexpr int kOutPitch = kRowsPerConsumer + 8;  // padded row of the O staging tile (no bank conflicts)
+
+template <class Cfg>
+struct FwdSharedStorage;
 
 template <class Elem_, int Hqk_, int Hv_, int HeadK_, int HeadV_, int BlockV_, int Stages_, bool StateVFirst_,
           int ProducerRegs_, int ConsumerRegs_, int CtasPerSm_ = 1, bool OutputGroup_ = false, int PrepThreads_ = 256>
@@ -104,29 +111,8 @@ struct FwdConfig {
   using MainPipeline = MbarrierPipeline<Stages, /*Transactions=*/true>;
   using HandoffPipeline = MbarrierPipeline<2, /*Transactions=*/false>;
 
-  struct Stage {
-    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
-    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
-    cute::array_aligned<Elem, cosize_v<LayoutVt>, 1024> v;
-    cute::array_aligned<Elem, cosize_v<LayoutMat>, 1024> aw;
-    cute::array_aligned<Elem, cosize_v<LayoutMat>, 1024> p;
-  };
-  // Chain -> output warp group, double-buffered by chunk parity: S^T at the chunk's start (v, k)
-  // and Vn^T (v, t), both K-major A operands of the output GEMMs. A token array without the group.
-  static constexpr int HandoffElems = OutputGroup ? 2 * (cosize_v<LayoutQK> + cosize_v<LayoutMat>) : 8;
-  struct alignas(1024) SharedStorage {
-    Stage stage[Stages];
-    // O^T staged as (token, value) rows per consumer, double-buffered across chunks.
-    cute::array_aligned<Elem, Consumers * 2 * kChunk * kOutPitch, 16> out;
-    cute::array_aligned<Elem, HandoffElems, (OutputGroup ? 1024 : 16)> handoff;
-    alignas(16) float gamma[Stages][kChunk];  // the chunk's gates, a bulk copy beside the stage's tiles
-    typename MainPipeline::Storage pipe;
-    typename HandoffPipeline::Storage handoff_pipe;
-  };
-  static __device__ Elem* handoff_s(SharedStorage& ss, int parity) { return ss.handoff.data() + parity * cosize_v<LayoutQK>; }
-  static __device__ Elem* handoff_vn(SharedStorage& ss, int parity) {
-    return ss.handoff.data() + 2 * cosize_v<LayoutQK> + parity * cosize_v<LayoutMat>;
-  }
+  // The kernel's shared memory, composed of its collectives' storage (FwdSharedStorage, after them).
+  using SharedStorage = FwdSharedStorage<FwdConfig>;
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t StageTxBytes =
       uint32_t(sizeof(Elem)) * (2 * cosize_v<LayoutQK> + cosize_v<LayoutVt> + 2 * cosize_v<LayoutMat>) +
@@ -240,14 +226,41 @@ __device__ __forceinline__ void to_operand(Frag& frag, const Acc& acc) {
   for (int e = 0; e < size(acc); e += 2) *word_at(frag, e) = pack2<typename Frag::value_type>(acc(e), acc(e + 1));
 }
 
+// The stage ring that FwdProducer fills and the consumers (and the output warp group) drain: per
+// stage the chunk's q, k, v, Aw and P tiles, 1024-byte aligned (whole 128-byte swizzle atoms), and
+// its gates. The gates are a part of their own, placed after the O staging and the handoff
+// buffers: between the tiles and an output warp group's 1024-byte aligned handoff they would cost
+// padding.
+template <class Cfg>
+struct FwdStageStorage {
+  using Elem = typename Cfg::Elem;
+  struct Stage {
+    cute::array_aligned<Elem, cosize_v<typename Cfg::LayoutQK>, 1024> q;
+    cute::array_aligned<Elem, cosize_v<typename Cfg::LayoutQK>, 1024> k;
+    cute::array_aligned<Elem, cosize_v<typename Cfg::LayoutVt>, 1024> v;
+    cute::array_aligned<Elem, cosize_v<typename Cfg::LayoutMat>, 1024> aw;
+    cute::array_aligned<Elem, cosize_v<typename Cfg::LayoutMat>, 1024> p;
+  };
+  struct Tiles {
+    Stage stage[Cfg::Stages];
+  };
+  struct Gates {
+    alignas(16) float gamma[Cfg::Stages][kChunk];  // a bulk copy beside the stage's tiles
+  };
+};
+
+// The TMA producer: one thread streams each chunk of the CTA's range into the stage ring through
+// Cfg::MainPipeline (the prep's output waited for first, per item or for the whole grid).
 template <class Cfg, bool StateOnly>
 struct FwdProducer {
+  using SharedStorage = FwdStageStorage<Cfg>;  // the state pass loads fewer tiles into the same ring
   static __device__ __forceinline__ void run(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
                                                  const SeqRange& range, int vt, int hv, int hqk, bool zero_v) {
     using C64 = typename Cfg::C64;
     using CK = typename Cfg::CK;
     using CBV = typename Cfg::CBV;
     constexpr int Stages = Cfg::Stages;
+    using Load = TmaProducer<typename Cfg::MainPipeline>;
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
@@ -276,31 +289,27 @@ struct FwdProducer {
     // (the split context-parallel pass has waited above where it must: its prerequisite is the chain)
     if (ready == nullptr && p.job_pass != kUnchainedThenChained) wait_prerequisite_grids();
 
-    const typename Cfg::MainPipeline pipe(ss.pipe);
+    const Load load(ss.pipelines.main);
     const int num_chunks = int(range.num_chunks());
     for (int c = 0; c < num_chunks; ++c) {
       const PipelineState<Stages> ps{c};
       const int s = ps.index();
-      pipe.producer_acquire(ps);
+      load.acquire(ps);
       if (ready != nullptr) wait_ready(ready + c);
-      auto& st = ss.stage[s];
+      auto& st = ss.tiles.stage[s];
       Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
       Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
       Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Cfg::LayoutVt{});
       Tensor sAw = make_tensor(make_smem_ptr(st.aw.data()), typename Cfg::LayoutMat{});
       Tensor sP = make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{});
       const uint32_t tx = (StateOnly ? Cfg::StateStageTxBytes : Cfg::StageTxBytes) - (zero_v ? Cfg::VTileBytes : 0u);
-      pipe.producer_expect(ps, tx);
-      auto tma_copy = [&](auto& tma, auto gsrc, auto sdst) {
-        auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdst), group_modes<0, 2>(gsrc));
-        copy(tma.with(pipe.full_barrier(ps)), tg, ts);
-      };
-      if constexpr (!StateOnly) tma_copy(p.tma_q, gQ(_, _, c), sQ);
-      tma_copy(p.tma_k, gK(_, _, c), sK);
-      if (!zero_v) tma_copy(p.tma_v, gV(_, _, c), sV);  // a transition job reads v as zeros
-      tma_copy(p.tma_aw, gAw(_, _, c), sAw);
-      if constexpr (!StateOnly) tma_copy(p.tma_p, gP(_, _, c), sP);
-      SM90_BULK_COPY_G2S::copy(gamma + int64_t(c) * kChunk, &pipe.full_barrier(ps), ss.gamma[s], int32_t(sizeof(float) * kChunk));
+      load.expect(ps, tx);
+      if constexpr (!StateOnly) load.tile(ps, p.tma_q, gQ(_, _, c), sQ);
+      load.tile(ps, p.tma_k, gK(_, _, c), sK);
+      if (!zero_v) load.tile(ps, p.tma_v, gV(_, _, c), sV);  // a transition job reads v as zeros
+      load.tile(ps, p.tma_aw, gAw(_, _, c), sAw);
+      if constexpr (!StateOnly) load.tile(ps, p.tma_p, gP(_, _, c), sP);
+      load.bulk(ps, gamma + int64_t(c) * kChunk, ss.gates.gamma[s], uint32_t(sizeof(float) * kChunk));
     }
   }
 };
@@ -310,6 +319,10 @@ struct FwdProducer {
 // so the next chunk's writes cannot race this chunk's reads: they are a barrier apart.
 template <class Cfg>
 struct FwdEpilogue {
+  // O^T staged as (token, value) rows, two buffers (by chunk parity) per consumer warp group.
+  struct SharedStorage {
+    cute::array_aligned<typename Cfg::Elem, Cfg::Consumers * 2 * kChunk * kOutPitch, 16> out;
+  };
   template <class Acc, class Crd>
   static __device__ __forceinline__ void store_output_chunk(const Acc& accO, const Crd& crd, typename Cfg::Elem* stage_o,
                                                      typename Cfg::Elem* o_chunk, int valid, int ctid, int barrier_id) {
@@ -332,13 +345,22 @@ struct FwdEpilogue {
 // state at the chunk's start) and Vn^T, O^T = scale (S^T Q^T) D + Vn^T P^T from shared memory.
 template <class Cfg>
 struct FwdOutputWarpGroup {
+  // The chain's handoff, double-buffered by chunk parity: S^T at the chunk's start (v, k) and Vn^T
+  // (v, t), both K-major A operands of the output GEMMs. A token array without the group.
+  struct SharedStorage {
+    using Elem = typename Cfg::Elem;
+    static constexpr int kS = cosize_v<typename Cfg::LayoutQK>, kVn = cosize_v<typename Cfg::LayoutMat>;
+    cute::array_aligned<Elem, Cfg::OutputGroup ? 2 * (kS + kVn) : 8, (Cfg::OutputGroup ? 1024 : 16)> buffers;
+    __device__ Elem* s(int parity) { return buffers.data() + parity * kS; }
+    __device__ Elem* vn(int parity) { return buffers.data() + 2 * kS + parity * kVn; }
+  };
   static __device__ __forceinline__ void run(const FwdParams<Cfg>& p, typename Cfg::SharedStorage& ss,
                                                const SeqRange& range, int vt, int hv, int ctid, bool write_o) {
     using Elem = typename Cfg::Elem;
     using C64 = typename Cfg::C64;
     using CM = typename Cfg::CM;
-    const typename Cfg::MainPipeline pipe(ss.pipe);
-    const typename Cfg::HandoffPipeline handoff(ss.handoff_pipe);
+    const typename Cfg::MainPipeline pipe(ss.pipelines.main);
+    const typename Cfg::HandoffPipeline handoff(ss.pipelines.handoff);
     typename Cfg::MmaOut mma;
     auto thr = mma.get_thread_slice(ctid);
     Tensor accO = partition_fragment_C(mma, Shape<CM, C64>{});
@@ -350,16 +372,16 @@ struct FwdOutputWarpGroup {
       const PipelineState<Cfg::Stages> ps{c};
       const PipelineState<2> hs{c};
       const int s = ps.index(), parity = hs.index();
-      auto& st = ss.stage[s];
-      Tensor tAS = thr.partition_fragment_A(make_tensor(make_smem_ptr(Cfg::handoff_s(ss, parity)), typename Cfg::LayoutQK{}));
-      Tensor tAVn = thr.partition_fragment_A(make_tensor(make_smem_ptr(Cfg::handoff_vn(ss, parity)), typename Cfg::LayoutMat{}));
+      auto& st = ss.tiles.stage[s];
+      Tensor tAS = thr.partition_fragment_A(make_tensor(make_smem_ptr(ss.handoff.s(parity)), typename Cfg::LayoutQK{}));
+      Tensor tAVn = thr.partition_fragment_A(make_tensor(make_smem_ptr(ss.handoff.vn(parity)), typename Cfg::LayoutMat{}));
       Tensor tBQ = thr.partition_fragment_B(make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{}));
       Tensor tBP = thr.partition_fragment_B(make_tensor(make_smem_ptr(st.p.data()), typename Cfg::LayoutMat{}));
       pipe.consumer_wait(ps);
       float decay[16];
       CUTE_UNROLL
       for (int i = 0; i < 8; ++i) {
-        const float2 g = *reinterpret_cast<const float2*>(&ss.gamma[s][col0 + 8 * i]);
+        const float2 g = *reinterpret_cast<const float2*>(&ss.gates.gamma[s][col0 + 8 * i]);
         decay[2 * i] = p.scale * __expf(g.x);
         decay[2 * i + 1] = p.scale * __expf(g.y);
       }
@@ -384,7 +406,7 @@ struct FwdOutputWarpGroup {
 
       const int valid = range.rows_in_chunk(c);
       if (write_o)
-        FwdEpilogue<Cfg>::store_output_chunk(accO, crd, ss.out.data() + parity * kChunk * kOutPitch,
+        FwdEpilogue<Cfg>::store_output_chunk(accO, crd, ss.epilogue.out.data() + parity * kChunk * kOutPitch,
                                 o_base + int64_t(c) * kChunk * (Cfg::Hv * Cfg::HeadV), valid, ctid, 1);
     }
   }
@@ -495,27 +517,27 @@ struct FwdChunkConsumer {
     // of tile 4 q + l / 8. Byte offsets inside a stage's V tile (the same for every stage).
     uint32_t v_tile_offset[4];
     {
-      Tensor sV0 = make_tensor(make_smem_ptr(ss.stage[0].v.data()), typename Cfg::LayoutVt{});
+      Tensor sV0 = make_tensor(make_smem_ptr(ss.tiles.stage[0].v.data()), typename Cfg::LayoutVt{});
       const int lane = ctid % 32, warp = ctid / 32;
       CUTE_UNROLL
       for (int q = 0; q < 4; ++q) {
         const int n = 4 * q + lane / 8, h = n % 2, i = n / 2;
         const Elem* row = &sV0(consumer * kRowsPerConsumer + 16 * warp + 8 * h, 8 * i + lane % 8);
-        v_tile_offset[q] = uint32_t(reinterpret_cast<const char*>(row) - reinterpret_cast<const char*>(ss.stage[0].v.data()));
+        v_tile_offset[q] = uint32_t(reinterpret_cast<const char*>(row) - reinterpret_cast<const char*>(ss.tiles.stage[0].v.data()));
       }
     }
 
     Elem* o_base = p.o + range.start * int64_t(Cfg::Hv * Cfg::HeadV) + int64_t(hv) * Cfg::HeadV + v0;
-    Elem* out_stage = ss.out.data() + consumer * 2 * kChunk * kOutPitch;
+    Elem* out_stage = ss.epilogue.out.data() + consumer * 2 * kChunk * kOutPitch;
 
-    const typename Cfg::MainPipeline pipe(ss.pipe);
-    const typename Cfg::HandoffPipeline handoff(ss.handoff_pipe);
+    const typename Cfg::MainPipeline pipe(ss.pipelines.main);
+    const typename Cfg::HandoffPipeline handoff(ss.pipelines.handoff);
     for (int c = 0; c < num_chunks; ++c) {
       const PipelineState<Stages> ps{c};
       const PipelineState<2> hs{c};  // the handoff buffer of this chunk
       const int s = ps.index();
-      auto& st = ss.stage[s];
-      const float* gamma = ss.gamma[s];  // the chunk's gates, in shared memory once the stage is full
+      auto& st = ss.tiles.stage[s];
+      const float* gamma = ss.gates.gamma[s];  // the chunk's gates, in shared memory once the stage is full
 
       Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Cfg::LayoutQK{});
       Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Cfg::LayoutQK{});
@@ -560,7 +582,7 @@ struct FwdChunkConsumer {
         // Hand S^T (this chunk's start state) to the output warp group once it is done with the
         // buffer two chunks back; wgmma only reads fragS, so storing it now is safe.
         handoff.producer_acquire(hs);
-        Tensor tHS = thr_tok.partition_C(make_tensor(make_smem_ptr(Cfg::handoff_s(ss, hs.index())), typename Cfg::LayoutQK{}));
+        Tensor tHS = thr_tok.partition_C(make_tensor(make_smem_ptr(ss.handoff.s(hs.index())), typename Cfg::LayoutQK{}));
         CUTE_UNROLL
         for (int e = 0; e < size(fragS); e += 2) *word_at(tHS, e) = *word_at(fragS, e);
       }
@@ -630,7 +652,7 @@ struct FwdChunkConsumer {
         *word_at(fragVs, e) = pack2<Elem>(tail[column_slot(e)] * accX(e), tail[column_slot(e + 1)] * accX(e + 1));
       }
       if constexpr (kHandoff) {  // hand Vn^T over, then signal: S^T and Vn^T are in place
-        Tensor tHVn = thr_tok.partition_C(make_tensor(make_smem_ptr(Cfg::handoff_vn(ss, hs.index())), typename Cfg::LayoutMat{}));
+        Tensor tHVn = thr_tok.partition_C(make_tensor(make_smem_ptr(ss.handoff.vn(hs.index())), typename Cfg::LayoutMat{}));
         CUTE_UNROLL
         for (int e = 0; e < size(fragVn); e += 2) *word_at(tHVn, e) = *word_at(fragVn, e);
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by the other group's wgmma
@@ -681,6 +703,19 @@ struct FwdChunkConsumer {
   }
 };
 
+// The forward kernel's shared memory: its collectives' storage, then the barriers of its pipelines.
+template <class Cfg>
+struct alignas(1024) FwdSharedStorage {
+  typename FwdStageStorage<Cfg>::Tiles tiles;               // FwdProducer's stage ring
+  typename FwdEpilogue<Cfg>::SharedStorage epilogue;        // O staging
+  typename FwdOutputWarpGroup<Cfg>::SharedStorage handoff;  // consumers -> output warp group
+  typename FwdStageStorage<Cfg>::Gates gates;               // the stage ring's gates
+  struct Pipelines {
+    typename Cfg::MainPipeline::Storage main;
+    typename Cfg::HandoffPipeline::Storage handoff;
+  } pipelines;
+};
+
 // StateOnly: the context-parallel state pass (windows, H, M): the chain alone, without the O GEMMs,
 // the O stores or the output warp group's handoffs.
 template <class Cfg, bool StateOnly = false>
@@ -702,8 +737,8 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm) gdn_fwd_kernel(C
   const int warp_group = threadIdx.x / Roles::kThreads;
 
   if (threadIdx.x == Roles::kLoadIssuer) {
-    Cfg::MainPipeline::init(ss.pipe, 1, 128 * (Cfg::Consumers + (kHandoff ? 1 : 0)));
-    Cfg::HandoffPipeline::init(ss.handoff_pipe, 128, 128);
+    Cfg::MainPipeline::init(ss.pipelines.main, 1, 128 * (Cfg::Consumers + (kHandoff ? 1 : 0)));
+    Cfg::HandoffPipeline::init(ss.pipelines.handoff, 128, 128);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

@@ -1,14 +1,16 @@
 // Shared-memory pipelines on mbarriers: a ring of Stages buffers that a producer fills and
 // consumers drain, shared by the forward kernel (its TMA stages and the output warp group's
-// handoff) and the CP chain kernel (its double-buffered M).
+// handoff), the prep kernel (its q/k tiles) and the CP chain kernel (its double-buffered M). The
+// producer side of a ring that TMA fills is TmaProducer (gdn_tma_producer.cuh).
 //
 // Iteration n of a ring uses buffer n % Stages; each buffer's barriers complete once per round of
 // the ring, so iteration n waits for the phase of parity (n / Stages) & 1. PipelineState (and
 // PairState, for a two-buffer ring walked without an iteration count) is where that arithmetic
-// lives; the pipeline's producer and consumer operations take one. A full barrier counts the
-// producer's arrivals (and, with transactions, the bytes its bulk copies deliver); an empty
-// barrier counts the consumers' arrivals. A ring whose consumers release buffers by a CTA-wide
-// barrier instead has no empty barriers (ConsumerRelease::kCtaBarrier).
+// lives (SingleState for a one-buffer ring that keeps only the phase bit); the pipeline's producer
+// and consumer operations take one. A full barrier counts the producer's arrivals (and, with
+// transactions, the bytes its bulk copies deliver); an empty barrier counts the consumers'
+// arrivals. A ring whose consumers release buffers by a CTA-wide barrier instead has no empty
+// barriers (ConsumerRelease::kCtaBarrier).
 #pragma once
 #include <stdint.h>
 
@@ -42,6 +44,15 @@ struct PairState {
   __device__ __forceinline__ int index() const { return buffer; }
   __device__ __forceinline__ uint32_t phase() const { return (phases >> buffer) & 1u; }
   __device__ __forceinline__ PairState next() const { return PairState{buffer ^ 1, phases ^ (1u << buffer)}; }
+};
+
+// A ring of one buffer whose loop keeps only the phase bit, flipping it every round (the prep's
+// q/k tiles, loaded once per work item).
+struct SingleState {
+  static constexpr int Stages = 1;
+  uint32_t bit;  // the parity of the buffer's next phase
+  __device__ __forceinline__ int index() const { return 0; }
+  __device__ __forceinline__ uint32_t phase() const { return bit; }
 };
 
 enum class ConsumerRelease { kEmptyBarrier, kCtaBarrier };

@@ -34,8 +34,10 @@
 
 #include "gdn_cp.cuh"
 #include "gdn_grid_sync.cuh"
+#include "gdn_pipeline.cuh"
 #include "gdn_prep_solve_mma.cuh"
 #include "gdn_sequences.cuh"
+#include "gdn_tma_producer.cuh"
 #include "gdn_wgmma.cuh"
 
 namespace fqt {
@@ -157,6 +159,9 @@ struct PrepConfig {
     return make_tma_atom(SM90_TMA_LOAD{}, g, LayoutQK{}, Shape<C64, CK>{});
   }
   using TmaQK = decltype(tma_qk(nullptr, 1));
+  // An item's q and k tiles: one buffer, its bulk copies completing on the full barrier; the CTA-wide
+  // barrier after the GEMMs (or, for q with QkInQ, after P) frees it for the next item's loads.
+  using LoadPipeline = MbarrierPipeline<1, /*Transactions=*/true, ConsumerRelease::kCtaBarrier>;
   struct alignas(1024) SharedStorage {
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
     cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
@@ -166,7 +171,7 @@ struct PrepConfig {
     float beta[HeadBatch][kChunk];
     float g_next[HeadBatch][kChunk];     // the next item's gates and betas (first head batch), copied
     float beta_next[HeadBatch][kChunk];  // asynchronously while this item is solved
-    uint64_t loaded;
+    typename LoadPipeline::Storage loaded;
     __device__ float* qk_tile() {
       if constexpr (QkInQ) {
         static_assert(sizeof(q) >= kChunk * kChunk * sizeof(float), "Q K^T's fp32 tile fits the q tile (K >= 128)");
@@ -608,7 +613,6 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   constexpr int HeadBatch = Cfg::HeadBatch;
   using C64 = typename Cfg::C64;
   using CK = typename Cfg::CK;
-  using LoadBarrier = cutlass::arch::ClusterTransactionBarrier;
   static_assert(HeadK % 64 == 0 && HeadK <= 256, "q/k tile rows are whole 128-byte swizzle atoms (K = 64, 128 or 256)");
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
@@ -619,8 +623,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
 
   const int tid = threadIdx.x;
   const int64_t T = args.total_tokens;
+  using Load = TmaProducer<typename Cfg::LoadPipeline>;
   if (tid == 0) {
-    LoadBarrier::init(&ss.loaded, 1);
+    Cfg::LoadPipeline::init(ss.loaded, 1);
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(args.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
@@ -640,21 +645,21 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   // One thread loads an item's q and k tiles (rows past T arrive as zeros). Without q_too, the q
   // tile comes later from issue_q_load (Cfg::QkInQ: Q K^T occupies it until P is written); the
   // barrier's expected bytes count both tiles either way.
+  const Load load(ss.loaded);
+  const typename Cfg::LoadPipeline tiles(ss.loaded);
   auto issue_q_load = [&](const PrepItem& it) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
     Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(0, it.hqk));
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
-    auto [tq, sq] = tma_partition(args.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    copy(args.tma_q.with(ss.loaded), tq, sq);
+    load.tile(SingleState{0u}, args.tma_q, gQ, sQ);
   };
   auto issue_loads = [&](const PrepItem& it, bool q_too) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
     Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(0, it.hqk));
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
-    LoadBarrier::arrive_and_expect_tx(&ss.loaded, Cfg::TileTxBytes);
+    load.expect(SingleState{0u}, Cfg::TileTxBytes);
     if (q_too) issue_q_load(it);
-    auto [tk, sk] = tma_partition(args.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    copy(args.tma_k.with(ss.loaded), tk, sk);
+    load.tile(SingleState{0u}, args.tma_k, gK, sK);
   };
   const PrepGates<Cfg, Hv, G> gates{args, ss, tid};
 
@@ -686,7 +691,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     //    thread reads only what it copied itself, so waiting for its own copies is enough.
     gates.scan_prefetched();
 
-    mbarrier_wait(&ss.loaded, phase);
+    tiles.consumer_wait(SingleState{phase});
 
     // 1. Tail rows to zeros, in-kernel l2norm; 2. K K^T and Q K^T.
     Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
@@ -723,11 +728,10 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   }
 
   // 6. A context-parallel call's job rows (plan_cp_jobs), which read only the call's inputs: this
-  //    saves the launch of a kernel of their own (its host time: docs/kernel-notes.md). The CTAs
-  //    take them from the last one back; those had at most as many items.
-  const int64_t cp_rows = args.cp.num_segments * Hv;
-  for (int64_t row = int64_t(gridDim.x) - 1 - blockIdx.x; row < cp_rows; row += gridDim.x)
-    plan_cp_jobs<Elem, Hqk, Hv, HeadK, HeadK, Threads>(args.cp, row);
+  //    saves the launch of a kernel of their own (its host time: docs/kernel-notes.md). CpScheduler
+  //    deals them to the CTAs.
+  CpScheduler<Hv>::for_each_job_row(
+      args.cp, [&](int64_t row) { plan_cp_jobs<Elem, Hqk, Hv, HeadK, HeadK, Threads>(args.cp, row); });
 }
 
 }  // namespace fqt

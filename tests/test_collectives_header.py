@@ -3,9 +3,11 @@
 The plans instantiate the kernels at K = V = 128 only (plan validation refuses other dims), but
 the collectives in csrc/ take K and V as template parameters: the forward kernel's producer,
 consumer chunk step and epilogue (gdn_fwd_mainloop.cuh, its pipelines in gdn_pipeline.cuh), the
-prep (gdn_prep.cuh, with the CP job planner it runs) and the CP chain (gdn_cp.cuh). This test
+prep (gdn_prep.cuh, with the CP job planner it runs) and the CP chain (gdn_cp.cuh); the forward,
+prep and chain kernels fill their rings through one TMA producer (gdn_tma_producer.cuh). This test
 instantiates them with nvcc -arch=sm_90a -c (compiled, never launched) for K, V in {64, 128, 256},
-and checks that the combinations a collective does not support yet stop at their static_assert:
+with the forward kernel's and the chain's composed shared storage and the CP scheduler, and checks
+that the combinations a collective does not support yet stop at their static_assert:
 
 - the CP chain needs K = V (its M maps a state to a state) and two K x K fp32 buffers in shared
   memory, so K = V = 256 does not fit; at K = 64 four threads share a state row, so a CTA of
@@ -32,6 +34,7 @@ DIMS = (64, 128, 256)
 pytestmark = [pytest.mark.slow, needs_nvcc]
 
 HEADER = r'''
+#include <stddef.h>  // offsetof
 #include "gdn_fwd_host.cuh"   // every collective: pipelines, forward, prep, CP planner and chain
 namespace {
 template <int K, int V, bool OutputGroup = false>
@@ -61,12 +64,44 @@ def prep(k: int, threads: int) -> str:
             f"CUTE_GRID_CONSTANT const Prep<{k}, {threads}>);")
 
 
+def storage(k: int, v: int) -> str:
+    """The forward kernel's shared storage composed of its collectives' parts, each where its
+    accesses need it (the TMA tiles and an output warp group's handoff on 1024 bytes), and the
+    size the launch asks for; the producer type over its ring."""
+    lines = [f"template struct fqt::TmaProducer<Fwd<{k}, {v}>::MainPipeline>;"]
+    for og in ("false", "true") if v == 128 else ("false",):
+        cfg = f"Fwd<{k}, {v}, {og}>"
+        s = f"FwdStorage_{og}"  # an alias: offsetof is a macro, its type argument may not hold commas
+        lines += [
+            f"using {s} = fqt::FwdSharedStorage<{cfg}>;",
+            f"static_assert(sizeof({s}) == {cfg}::SmemBytes, \"the launch's size is the composed storage's\");",
+            f"static_assert(offsetof({s}, tiles) == 0 && alignof({s}) == 1024, \"the stage tiles open the storage\");",
+            f"static_assert(offsetof({s}, handoff) % ({og} ? 1024 : 16) == 0, \"the handoff buffers' alignment\");",
+            f"static_assert(offsetof({s}, gates) % 16 == 0 && offsetof({s}, pipelines) % 8 == 0, "
+            f"\"the gates' bulk copy and the barriers' alignment\");",
+        ]
+    return "\n".join(lines)
+
+
+def chain_storage(k: int, columns: int) -> str:
+    s = f"ChainStorage_{k}_{columns}"
+    return "\n".join([
+        f"using {s} = fqt::ChainSharedStorage<{k}, {columns}>;",
+        f"static_assert(fqt::chain_smem_bytes<{k}, {columns}>() == int(sizeof({s})), \"the chain's launch size\");",
+        f"static_assert(offsetof({s}, m) == 0 && offsetof({s}, ring) % 8 == 0, \"M's buffers, then the barriers\");",
+    ])
+
+
 def chain(k: int, columns: int) -> str:
     return f"template __global__ void fqt::cp_chain_kernel<2, {k}, {k}, false, {columns}>(const fqt::CpPlanArgs);"
 
 
 SUPPORTED = {
     **{f"forward-k{k}-v{v}": forward(k, v) for k in DIMS for v in DIMS},
+    **{f"storage-k{k}-v{v}": storage(k, v) for k in DIMS for v in DIMS},
+    "chain-storage": "\n".join([*(chain_storage(k, c) for k in (64, 128) for c in (8, 16)),
+                                 "template struct fqt::TmaProducer<fqt::ChainRing>;",
+                                 "template struct fqt::CpScheduler<2>;"]),
     **{f"prep-k{k}-t256": prep(k, 256) for k in DIMS},
     **{f"prep-k{k}-t128": prep(k, 128) for k in (128, 256)},
     "chain-k64": "\n".join(chain(64, c) for c in (8, 16)),
