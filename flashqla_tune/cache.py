@@ -6,7 +6,9 @@ sha256 over everything that changes the binary: the rendered source, every csrc/
 includes (transitively), the nvcc, host compiler and CUTLASS versions, the flags, the arch and
 the ABI version. Entries are built in a staging folder on the same filesystem and published
 with one rename, under a per-key file lock; an entry whose manifest or .so hash does not check
-out is rebuilt, never trusted.
+out is rebuilt, never trusted. Nothing here follows a symbolic link out of the cache: a link
+planted as an entry or as kernels/.tmp is unlinked, never descended into. A cache that cannot
+be written is a CacheError naming the folder (a hit needs no writing and still works).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import re
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +146,8 @@ def read_manifest(entry_dir: Path) -> dict | None:
 
 def check_entry(entry_dir: Path, key: str | None = None) -> tuple[dict | None, str]:
     """(manifest, "") when the entry is intact (and has `key`), else (None, why not)."""
+    if Path(entry_dir).is_symlink():
+        return None, "a symbolic link (not followed)"
     manifest = read_manifest(entry_dir)
     if manifest is None:
         return None, "manifest.json missing or not valid JSON"
@@ -158,30 +163,80 @@ def check_entry(entry_dir: Path, key: str | None = None) -> tuple[dict | None, s
         return None, f"{so_name} missing"
     if sha256_file(so) != manifest.get("so_sha256"):
         return None, f"{so_name} does not match its recorded sha256"
+    from .loader import MalformedLibraryError, check_elf
+
+    try:  # a library cut short but re-hashed would kill the process inside dlopen
+        check_elf(so)
+    except MalformedLibraryError as exc:
+        return None, str(exc)
     return manifest, ""
 
 
 def lookup(plan: KernelPlan, renderer: Renderer | None = None, config: BuildConfig | None = None,
            root: Path | None = None) -> CacheEntry | None:
     """The valid entry for a plan, or None (never builds)."""
+    root = kernels_dir(root)           # an unusable cache location is refused before rendering
     keyed = keyed_source(plan, renderer, config)
-    path = kernels_dir(root) / keyed.entry_name
+    path = root / keyed.entry_name
     manifest, _ = check_entry(path, keyed.key)
     return CacheEntry(plan, keyed.key, path, manifest, built=False) if manifest else None
 
 
+@contextmanager
+def _writing(root: Path, what: str):
+    """Turn the OSError of a cache that cannot be written into a CacheError naming the folder."""
+    try:
+        yield
+    except OSError as exc:
+        raise CacheError(f"kernel cache {root} cannot be written ({what}: {exc.strerror or exc}"
+                         f"{f': {exc.filename}' if exc.filename else ''}); make it writable or set "
+                         f"{environment.CACHE_ENV} to a folder you can write") from exc
+
+
 def _lock(root: Path, key: str) -> FileLock:
-    locks = root / ".locks"
-    locks.mkdir(parents=True, exist_ok=True)
+    with _writing(root, "lock folder"):
+        locks = _own_dir(root / ".locks")
     return FileLock(str(locks / f"{key}.lock"))
+
+
+@contextmanager
+def _locked(root: Path, key: str):
+    lock = _lock(root, key)
+    with _writing(root, "lock"):
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _own_dir(path: Path) -> Path:
+    """A folder of the cache's own, made if missing; a symbolic link in its place is unlinked first."""
+    if path.is_symlink():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _remove(path: Path) -> None:
+    """Delete a file or folder inside the cache; a symbolic link is unlinked, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _discard(path: Path, root: Path) -> None:
     # Rename away first (atomic for readers), then delete at leisure.
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return
-    trash = root / ".tmp" / f"trash-{uuid.uuid4().hex}"
-    trash.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        path.unlink()
+        return
+    trash = _own_dir(root / ".tmp") / f"trash-{uuid.uuid4().hex}"
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -235,7 +290,8 @@ def get_kernels(plans: list[KernelPlan], renderer: Renderer | None = None, confi
     """
     renderer, config = renderer or Renderer(), config or BuildConfig()
     root = kernels_dir(root)
-    root.mkdir(parents=True, exist_ok=True)
+    with _writing(root, "kernels folder"):
+        root.mkdir(parents=True, exist_ok=True)
     keyed = [keyed_source(p, renderer, config) for p in plans]
     entries: dict[str, CacheEntry] = {}
 
@@ -251,9 +307,12 @@ def get_kernels(plans: list[KernelPlan], renderer: Renderer | None = None, confi
     if missing:
         # Sorted lock order: two callers wanting overlapping sets cannot deadlock.
         locks = [_lock(root, key) for key in sorted(missing)]
-        for lock in locks:
-            lock.acquire()
+        held = []
         try:
+            for lock in locks:
+                with _writing(root, "lock"):
+                    lock.acquire()
+                held.append(lock)
             todo = []
             for key, k in sorted(missing.items()):
                 hit = None if force else valid(k)   # another process may have built it meanwhile
@@ -264,13 +323,18 @@ def get_kernels(plans: list[KernelPlan], renderer: Renderer | None = None, confi
             if todo:
                 entries.update(_build_and_publish(todo, config, root, jobs))
         finally:
-            for lock in reversed(locks):
+            for lock in reversed(held):
                 lock.release()
     return [entries[k.key] for k in keyed]
 
 
 def _build_and_publish(todo: list[KeyedSource], config: BuildConfig, root: Path, jobs: int | None) -> dict:
-    staging = root / ".tmp" / f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with _writing(root, "build folder"):
+        tmp = _own_dir(root / ".tmp")
+        for child in tmp.iterdir():      # what builds that died left (a live build's folder stays)
+            if _build_pid(child.name) is not None and not _alive(_build_pid(child.name)):
+                _remove(child)
+        staging = tmp / f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     build_jobs, staged = [], {}
     for k in todo:
         folder = staging / k.entry_name
@@ -306,7 +370,7 @@ def get_kernel(plan: KernelPlan, renderer: Renderer | None = None, config: Build
 def invalidate(entry: CacheEntry) -> None:
     """Drop an entry found to be stale (e.g. its library embeds another plan)."""
     root = entry.path.parent
-    with _lock(root, entry.key):
+    with _locked(root, entry.key), _writing(root, "drop entry"):
         _discard(entry.path, root)
 
 
@@ -328,12 +392,16 @@ def list_entries(root: Path | None = None) -> list[EntryInfo]:
     if not root.is_dir():
         return []
     out = []
-    for path in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+    for path in sorted(p for p in root.iterdir() if (p.is_dir() or p.is_symlink()) and not p.name.startswith(".")):
+        if path.is_symlink():
+            out.append(EntryInfo(path, None, "a symbolic link (not followed); removed by cache clear", 0))
+            continue
         key_prefix = path.name.rsplit("-", 1)[-1]
         manifest, problem = check_entry(path)
         if manifest is not None and not str(manifest.get("key", "")).startswith(key_prefix):
             manifest, problem = None, "folder name does not match the manifest key"
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        size = sum(os.lstat(os.path.join(folder, f)).st_size
+                   for folder, _, files in os.walk(path) for f in files)   # os.walk follows no links
         out.append(EntryInfo(path, manifest, problem, size))
     return out
 
@@ -354,21 +422,32 @@ def clear(root: Path | None = None, match: str | None = None) -> int:
             continue
         key = info.manifest["key"] if info.manifest else None
         if key:
-            with _lock(root, key):
+            with _locked(root, key), _writing(root, "remove entry"):
                 _discard(info.path, root)
         else:
-            _discard(info.path, root)
+            with _writing(root, "remove entry"):
+                _discard(info.path, root)
         removed += 1
     if match is None:
         tmp = root / ".tmp"
-        if tmp.is_dir():
+        if tmp.is_symlink():
+            with _writing(root, "remove .tmp link"):
+                tmp.unlink()        # planted: the link goes, its target is not ours
+        elif tmp.is_dir():
             for child in tmp.iterdir():
                 # Staging folders of builds still running belong to live processes; keep those.
-                pid = child.name.split("-")[1] if child.name.startswith("build-") else None
-                if pid and pid.isdigit() and _alive(int(pid)):
+                pid = _build_pid(child.name)
+                if pid is not None and _alive(pid):
                     continue
-                shutil.rmtree(child, ignore_errors=True)
+                with _writing(root, "remove leftovers"):
+                    _remove(child)
     return removed
+
+
+def _build_pid(name: str) -> int | None:
+    """The process id in a build staging folder's name (build-<pid>-<hex>), else None."""
+    parts = name.split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "build" and parts[1].isdigit() else None
 
 
 def _alive(pid: int) -> bool:

@@ -2,13 +2,18 @@
 the gate at layer l depends on all layers below it) and the corpus.
 
 Hashing a large checkpoint takes a while, so each file's digest is remembered in the cache by
-(absolute path, size, mtime_ns); a file whose size or mtime changed is hashed again.
+(absolute path, size, mtime_ns); a file whose size or mtime changed is hashed again. A file
+rewritten in place with its size and mtime restored keeps its remembered digest: HashCache(rehash=True)
+hashes every file's content again (`build --rehash`, and every tuned build). A cache that cannot
+be written (a read-only FLASHQLA_TUNE_CACHE) costs only the remembering: one warning, then every
+file is hashed each time.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 from filelock import FileLock
@@ -39,10 +44,12 @@ def checkpoint_files(checkpoint: str | Path) -> list[Path]:
 class HashCache:
     """file -> sha256, valid while the file's size and mtime_ns are unchanged."""
 
-    def __init__(self, path: Path | None = None):
+    def __init__(self, path: Path | None = None, rehash: bool = False):
         self.path = path or _cache_file()
+        self.rehash = rehash      # hash every file's content, whatever is remembered (and remember anew)
         self.hits = 0
         self.misses = 0
+        self._unwritable = False
 
     def _read(self) -> dict:
         try:
@@ -54,17 +61,25 @@ class HashCache:
     def digest(self, file: Path) -> str:
         file = file.resolve()
         st = file.stat()
-        entry = self._read().get(str(file))
-        if entry and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns:
+        entry = None if self.rehash else self._read().get(str(file))
+        if (isinstance(entry, dict) and entry.get("size") == st.st_size and entry.get("mtime_ns") == st.st_mtime_ns
+                and isinstance(entry.get("sha256"), str)):
             self.hits += 1
             return entry["sha256"]
         self.misses += 1
         sha = sha256_file(file)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.path) + ".lock"):
-            data = self._read()
-            data[str(file)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
-            atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
+        if not self._unwritable:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with FileLock(str(self.path) + ".lock"):
+                    data = self._read()
+                    data[str(file)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
+                    atomic_write_text(self.path, json.dumps(data, indent=1, sort_keys=True))
+            except OSError as exc:
+                self._unwritable = True
+                warnings.warn(f"cannot write the checkpoint-hash cache {self.path} ({exc.strerror or exc}); "
+                              f"going on without it: checkpoint files are hashed in full each time",
+                              RuntimeWarning, stacklevel=2)
         return sha
 
 

@@ -16,6 +16,10 @@ class ToolchainError(RuntimeError):
     """nvcc or the CUTLASS headers cannot be found."""
 
 
+class CacheLocationError(RuntimeError):
+    """The cache location (FLASHQLA_TUNE_CACHE or the default) is not a folder."""
+
+
 @dataclass(frozen=True)
 class GPUInfo:
     name: str
@@ -104,11 +108,22 @@ def cutlass_version() -> str:
 
 
 def cache_dir() -> Path:
-    """Where built kernels, tuning studies and calibrations live; FLASHQLA_TUNE_CACHE moves it."""
+    """Where built kernels, tuning studies and calibrations live; FLASHQLA_TUNE_CACHE moves it.
+    Raises CacheLocationError where the path (or the nearest part of it that exists) is not a folder."""
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "flashqla_tune"
+        path = Path(os.environ[CACHE_ENV]).expanduser()
+        named = f"{CACHE_ENV}={os.environ[CACHE_ENV]}"
+    else:
+        path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "flashqla_tune"
+        named = f"the cache folder {path}"
+    existing = path
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        where = "it" if existing == path else str(existing)
+        raise CacheLocationError(f"{named}: {where} is not a folder (a file is there); point {CACHE_ENV} at a "
+                                 f"folder, or move the file")
+    return path
 
 
 def describe() -> dict:

@@ -8,11 +8,28 @@
 A pack is tuned for one GPU (name and arch recorded) or untuned ("untuned sm_90a": default
 tiles, built without a GPU, runs on any sm_90). This module reads, checks and writes the
 folder; pack_build makes one, packed_ops runs one.
+
+Every manifest field is checked against the schema when read, and the error names the file and
+the field. A manifest of schema version 1 (before the host architecture was recorded) still reads,
+with the architecture unknown: it is not checked against this machine, and `build` rebuilds such a
+pack. A pack built on another architecture (platform.machine(), e.g. x86_64 against aarch64) is
+refused before anything in it is opened.
+
+Publishing is crash-safe: where the kernel offers an atomic exchange of two paths
+(renameat2 RENAME_EXCHANGE on Linux) the finished staging folder and the old pack swap in one
+step, so the path always names a whole pack; elsewhere the old pack is renamed aside first, and a
+reader that finds the path missing puts the aside copy back (recover) when the process that moved
+it is gone. Staging and aside folders carry their process id, so a later build deletes only those
+of dead processes (pids are per host: two hosts building into one shared folder at once are not
+told apart).
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import platform
 import shutil
 import time
 import uuid
@@ -26,7 +43,9 @@ from .plan import KernelPlan, PlanError
 from .spec import GDNSpec, SpecError
 
 SCHEMA = "flashqla-tune.pack"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)   # 1: no host architecture recorded
+INT32_MAX = 2**31 - 1               # the kernels' ABI passes counts as int32
 MANIFEST = "manifest.json"
 CALIBRATION = "calibration.json"
 BINARIES = "binaries"
@@ -61,18 +80,42 @@ class PackPlan:
                 "segment_chunks": None if self.segment_chunks is None else list(self.segment_chunks)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PackPlan":
+    def from_dict(cls, d: dict, where: str = "plan entry") -> "PackPlan":
+        if not isinstance(d, dict):
+            raise PackError(f"{where} is {type(d).__name__}, expected an object")
         if d.get("form") not in (NATIVE, QK_REPEATED):
             raise PackError(f"plan entry has form {d.get('form')!r}, expected {NATIVE!r} or {QK_REPEATED!r}")
         so = _inside_pack(d["so"], "plan entry")
+        tp_size = _count(d["tp_size"], f"{where}: tp_size")
         segments = d.get("segment_chunks")
         if segments is not None:
+            if not isinstance(segments, list):
+                raise PackError(f"{where} ({d.get('name')!r}): segment_chunks is {type(segments).__name__}, "
+                                f"expected a list")
             try:
                 segments = check_segment_table(segments)
             except CostModelError as exc:
-                raise PackError(f"plan entry {d.get('name')!r}: segment_chunks: {exc}") from None
-        return cls(int(d["tp_size"]), d["form"], KernelPlan.from_dict(d["plan"]), so, str(d["so_sha256"]),
+                raise PackError(f"{where} ({d.get('name')!r}): segment_chunks: {exc}") from None
+            for i, value in enumerate(segments):
+                _count(value, f"{where}: segment_chunks[{i}]", minimum=0)
+        return cls(tp_size, d["form"], KernelPlan.from_dict(d["plan"]), so,
+                   _text(d["so_sha256"], f"{where}: so_sha256"),
                    d.get("tuning"), segments)
+
+
+def _count(value, what: str, minimum: int = 1, maximum: int = INT32_MAX) -> int:
+    """An integer field in minimum..maximum; JSON booleans, floats (1e30) and strings ("12") are refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PackError(f"{what} is {value!r} ({type(value).__name__}), expected an integer")
+    if not minimum <= value <= maximum:
+        raise PackError(f"{what} is {value}, expected {minimum}..{maximum}")
+    return value
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise PackError(f"{what} is {value!r} ({type(value).__name__}), expected a string")
+    return value
 
 
 def _inside_pack(rel, what: str) -> str:
@@ -99,9 +142,13 @@ class HostExtension:
                 "abi_version": self.abi_version}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HostExtension":
-        return cls(_inside_pack(d["so"], "host extension entry"), str(d["sha256"]), str(d["module"]),
-                   str(d["torch"]), str(d["python_abi"]), str(d["sources_sha256"]), int(d["abi_version"]))
+    def from_dict(cls, d: dict, where: str = "host extension entry") -> "HostExtension":
+        if not isinstance(d, dict):
+            raise PackError(f"{where} is {type(d).__name__}, expected an object")
+        texts = [_text(d[name], f"{where}: {name}") for name in ("sha256", "module", "torch", "python_abi",
+                                                                 "sources_sha256")]
+        return cls(_inside_pack(d["so"], "host extension entry"), *texts,
+                   _count(d["abi_version"], f"{where}: abi_version"))
 
 
 @dataclass(frozen=True)
@@ -120,6 +167,7 @@ class Manifest:
     tool_version: str = __version__
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     schema_version: int = SCHEMA_VERSION
+    machine: str | None = field(default_factory=platform.machine)  # host architecture; None: schema 1
 
     @property
     def tuned(self) -> bool:
@@ -137,40 +185,82 @@ class Manifest:
                 "calibration": {"file": CALIBRATION, "sha256": self.calibration_sha256},
                 "tp_sizes": list(self.tp_sizes), "tuned": self.tuned, "gpu": self.gpu,
                 "toolchain": self.toolchain, "build": self.build, "plans": [p.to_dict() for p in self.plans],
-                "host_extension": None if self.host_extension is None else self.host_extension.to_dict()}
+                "host_extension": None if self.host_extension is None else self.host_extension.to_dict(),
+                "host": {"machine": self.machine}}
 
     @classmethod
     def from_dict(cls, data, source: str) -> "Manifest":
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        if not is_pack_manifest(data):
             raise PackError(f"{source} is not a flashqla-tune pack manifest")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise PackError(f"{source} has pack schema version {data.get('schema_version')!r}; this "
-                            f"flashqla-tune {__version__} reads version {SCHEMA_VERSION}: rebuild the pack")
+        version = data.get("schema_version")
+        readable = f"{READABLE_SCHEMA_VERSIONS[0]}..{READABLE_SCHEMA_VERSIONS[-1]}"
+        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+            raise PackError(f"{source} has pack schema version {version}, newer than this flashqla-tune "
+                            f"{__version__} reads ({readable}): upgrade flashqla-tune, or rebuild the pack with "
+                            f"this one")
+        if version not in READABLE_SCHEMA_VERSIONS or isinstance(version, bool):
+            raise PackError(f"{source} has pack schema version {version!r}; this flashqla-tune {__version__} "
+                            f"reads versions {readable}: rebuild the pack")
         try:
             gpu = dict(data["gpu"])
             if gpu.get("target") != UNTUNED_TARGET and not (gpu.get("name") and gpu.get("arch")):
                 raise PackError(f"{source}: a tuned pack must record its GPU name and arch, got {gpu!r}")
-            return cls(spec=GDNSpec.from_dict(data["spec"]), checkpoint_sha256=data["checkpoint"]["sha256"],
-                       checkpoint_path=data["checkpoint"]["path"],
-                       num_gdn_layers=int(data["checkpoint"]["num_gdn_layers"]),
-                       calibration_sha256=data["calibration"]["sha256"],
-                       tp_sizes=tuple(int(t) for t in data["tp_sizes"]), gpu=gpu,
-                       toolchain=dict(data["toolchain"]), plans=tuple(PackPlan.from_dict(p) for p in data["plans"]),
+            checkpoint = data["checkpoint"]
+            if not isinstance(data["tp_sizes"], list) or not data["tp_sizes"]:
+                raise PackError(f"{source}: tp_sizes is {data['tp_sizes']!r}, expected a non-empty list of "
+                                f"tensor-parallel degrees")
+            tp_sizes = tuple(_count(t, f"{source}: tp_sizes[{i}]") for i, t in enumerate(data["tp_sizes"]))
+            if not isinstance(data["plans"], list):
+                raise PackError(f"{source}: plans is {type(data['plans']).__name__}, expected a list")
+            plans = tuple(PackPlan.from_dict(p, f"{source}: plans[{i}]") for i, p in enumerate(data["plans"]))
+            for i, p in enumerate(plans):
+                if p.tp_size not in tp_sizes:
+                    raise PackError(f"{source}: plans[{i}]: tp_size {p.tp_size} is not one of tp_sizes "
+                                    f"{list(tp_sizes)}")
+            machine = None
+            if version >= 2:
+                host = data["host"]
+                machine = _text(host.get("machine") if isinstance(host, dict) else host, f"{source}: host.machine")
+            return cls(spec=GDNSpec.from_dict(data["spec"]),
+                       checkpoint_sha256=_text(checkpoint["sha256"], f"{source}: checkpoint.sha256"),
+                       checkpoint_path=_text(checkpoint["path"], f"{source}: checkpoint.path"),
+                       num_gdn_layers=_count(checkpoint["num_gdn_layers"], f"{source}: checkpoint.num_gdn_layers"),
+                       calibration_sha256=_text(data["calibration"]["sha256"], f"{source}: calibration.sha256"),
+                       tp_sizes=tp_sizes, gpu=gpu, toolchain=dict(data["toolchain"]), plans=plans,
                        build=dict(data.get("build") or {}),
                        host_extension=(None if data.get("host_extension") is None
-                                       else HostExtension.from_dict(data["host_extension"])),
+                                       else HostExtension.from_dict(data["host_extension"],
+                                                                    f"{source}: host_extension")),
                        tool_version=data["tool_version"], created=data["created"],
-                       schema_version=data["schema_version"])
+                       schema_version=version, machine=machine)
         except PackError:
             raise
-        except (KeyError, TypeError, ValueError, PlanError, SpecError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError, PlanError, SpecError) as exc:
             raise PackError(f"{source} is a damaged pack manifest: {type(exc).__name__}: {exc}") from exc
 
 
-def read_manifest(pack: str | Path) -> Manifest:
+def is_pack_manifest(data) -> bool:
+    """Whether parsed JSON claims to be this tool's pack manifest (whatever its version or damage)."""
+    return isinstance(data, dict) and data.get("schema") == SCHEMA
+
+
+def check_machine(manifest: Manifest, source) -> None:
+    """Refuse a pack built on another host architecture (its host extension and any code it runs on
+    the CPU are that architecture's)."""
+    here = platform.machine()
+    if manifest.machine is not None and manifest.machine != here:
+        raise PackError(f"{source} was built on a {manifest.machine} host; this machine is {here}: "
+                        f"rebuild the pack here (flashqla-tune build)")
+
+
+def read_manifest(pack: str | Path, *, this_host: bool = True) -> Manifest:
+    """The pack's manifest, checked against the schema and (this_host) against this machine's
+    architecture. A pack path left missing by a publish that died half-way is restored first."""
     pack = Path(pack)
+    if not pack.exists() and not pack.is_symlink():
+        recover(pack)
     if not pack.is_dir():
-        raise PackError(f"no pack folder at {pack}")
+        raise PackError(f"no pack folder at {pack}" + (" (a file is there)" if pack.exists() else ""))
     path = pack / MANIFEST
     if not path.is_file():
         raise PackError(f"{pack} has no {MANIFEST}: not a pack, or a build that did not finish")
@@ -178,7 +268,35 @@ def read_manifest(pack: str | Path) -> Manifest:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PackError(f"{path} is damaged (not JSON: {exc})") from exc
-    return Manifest.from_dict(data, str(path))
+    manifest = Manifest.from_dict(data, str(path))
+    if this_host:
+        check_machine(manifest, path)
+    return manifest
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse to build into `out` unless it is missing, an empty folder, or a folder whose
+    manifest.json claims to be this tool's pack (intact or not): nothing else is ever replaced."""
+    out = Path(out)
+    if not out.exists():
+        if out.is_symlink():
+            raise PackError(f"--out {out} is a dangling symbolic link; refusing to replace it")
+        return
+    if not out.is_dir():
+        raise PackError(f"--out {out} is a file, not a pack folder; refusing to replace it")
+    manifest = out / MANIFEST
+    if not manifest.exists():
+        if any(out.iterdir()):
+            raise PackError(f"{out} exists and is not a pack (no {MANIFEST}); refusing to replace it")
+        return
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise PackError(f"{out} holds a {MANIFEST} that is not JSON ({type(exc).__name__}), so it is not a "
+                        f"flashqla-tune pack; refusing to replace the folder: choose another --out") from None
+    if not is_pack_manifest(data):
+        raise PackError(f"{out} holds a {MANIFEST} that is not a flashqla-tune pack's (another tool's folder); "
+                        f"refusing to replace it: choose another --out")
 
 
 def check_binaries(pack: str | Path, manifest: Manifest, plans=None) -> None:
@@ -192,7 +310,7 @@ def check_binaries(pack: str | Path, manifest: Manifest, plans=None) -> None:
         if not path.is_file():
             raise PackError(f"pack {pack} lacks binary {so} of {of}: copy the whole folder")
         if sha256_file(path) != sha:
-            raise PackError(f"pack {pack}: binary {so} does not match its recorded sha256 (damaged or replaced)")
+            raise PackError(f"pack {pack}: binary {so} does not match its recorded sha256 (damaged, or changed since it was built; the hash sits in the pack itself, so it cannot show who built it)")
 
 
 def check_calibration(pack: str | Path, manifest: Manifest) -> Path:
@@ -206,25 +324,116 @@ def check_calibration(pack: str | Path, manifest: Manifest) -> Path:
 
 def publish(staging: Path, out: Path) -> None:
     """Replace `out` by the finished `staging` folder (same filesystem): readers see the old pack
-    or the new one, never a mix; the old one is deleted after the swap."""
-    out = Path(out)
-    trash = None
-    if out.exists():
-        trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, trash)
+    or the new one, never a mix and never neither; the old one is deleted after the swap."""
+    out, staging = Path(out), Path(staging)
+    if not out.exists() and not out.is_symlink():
+        os.replace(staging, out)
+        return
+    if _exchange(staging, out):
+        _remove(staging)   # the old pack, now under the staging name
+        return
+    aside = out.parent / f".{out.name}{_ASIDE}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    os.replace(out, aside)
     try:
         os.replace(staging, out)
     except OSError:
-        if trash is not None:
-            os.replace(trash, out)   # put the old pack back
+        os.replace(aside, out)   # put the old pack back
         raise
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
+    _remove(aside)
+
+
+_STAGING, _ASIDE = ".staging-", ".old-"
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2); False where the system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def _leftovers(out: Path) -> list[tuple[Path, str, int | None]]:
+    """(path, kind, pid) of the staging and aside folders beside `out`; pid None: a name without one."""
+    out = Path(out)
+    found = []
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return []
+    for name in names:
+        for kind in (_STAGING, _ASIDE):
+            prefix = f".{out.name}{kind}"
+            if name.startswith(prefix):
+                head = name[len(prefix):].split("-")
+                pid = int(head[0]) if len(head) == 2 and head[0].isdigit() else None
+                found.append((out.parent / name, kind, pid))
+    return found
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    """Delete a folder of ours; a symbolic link is unlinked, never followed."""
+    if path.is_symlink() or not path.is_dir():
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def recover(out: Path, *, clean: bool = False, wait_s: float = 2.0) -> list[str]:
+    """Restore `out` where a publish died between its two renames (the old pack is put back from its
+    aside folder), and with clean=True delete the staging and aside folders of dead processes.
+    A live publisher between its renames is waited for up to wait_s. Returns what was done."""
+    out = Path(out)
+    done = []
+    deadline = time.monotonic() + wait_s
+    while not out.exists() and not out.is_symlink():
+        aside = [(p, pid) for p, kind, pid in _leftovers(out) if kind == _ASIDE and p.is_dir() and not p.is_symlink()]
+        dead = sorted((p for p, pid in aside if not _alive(pid)), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        if dead:
+            try:
+                os.rename(dead[0], out)
+                done.append(f"restored {out} from {dead[0].name}, left by a build that died while publishing")
+            except OSError:
+                pass   # another reader restored it first, or the folder is not ours to write
+            continue
+        if not aside or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)   # its publisher is alive and about to rename the new pack in
+    if clean:
+        for path, kind, pid in _leftovers(out):
+            if not _alive(pid) and (out.exists() or kind == _STAGING):
+                _remove(path)
+                done.append(f"removed {path.name}, left by a build that died (pid {pid})")
+    return done
 
 
 def staging_dir(out: Path) -> Path:
     out = Path(out)
-    path = out.parent / f".{out.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = out.parent / f".{out.name}{_STAGING}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     path.mkdir(parents=True)
     return path
 

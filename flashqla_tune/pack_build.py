@@ -7,7 +7,14 @@ beside its destination and swapped in by rename; an existing pack of the same ch
 options is reused, one of another checkpoint is rebuilt. The pack also carries the eager op's C++
 host path, compiled here for this torch and Python (host_path.build_into; no GPU needed), so
 that loading the pack compiles nothing. The kernels and the host path depend only on the spec,
-so they compile side by side (nvcc and the host compiler are separate processes).
+so they compile side by side (nvcc and the host compiler are separate processes). A pack that is
+up to date but whose host extension is missing (where this machine can compile one) or does not
+fit this torch and Python gets only host/ rebuilt.
+
+`--out` is replaced only when it is missing, empty, or holds this tool's pack (pack.check_replaceable);
+what a build that died left beside it is restored or deleted first (pack.recover). The checkpoint
+hash trusts each file's remembered digest while its size and mtime are unchanged; rehash=True, and
+every tuned build, hash the content again.
 
 The checkpoint is checked against the supported-shape table before any work, and a finished
 calibration (calibration=FILE) replaces calibrating when its checkpoint hash is this one's.
@@ -16,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import shutil
 import sys
+import sysconfig
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,12 +34,12 @@ from pathlib import Path
 
 from . import __version__, cache, environment
 from .model_config import read_model_config
-from .pack import (BINARIES, CALIBRATION, HOST, NATIVE, QK_REPEATED, UNTUNED_TARGET, HostExtension, Manifest,
-                   PackError, PackPlan, check_binaries, check_calibration, publish, read_manifest, sha256_file,
-                   staging_dir, write_manifest)
+from .pack import (BINARIES, CALIBRATION, HOST, MANIFEST, NATIVE, QK_REPEATED, SCHEMA_VERSION, UNTUNED_TARGET,
+                   HostExtension, Manifest, PackError, PackPlan, check_binaries, check_calibration,
+                   check_replaceable, publish, read_manifest, recover, sha256_file, staging_dir, write_manifest)
 from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
-from .supported_shapes import check_model, check_spec
+from .supported_shapes import check_checkpoint_dtype, check_model, check_spec
 
 
 @dataclass(frozen=True)
@@ -81,17 +90,19 @@ def toolchain() -> dict:
 
 def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, spec: GDNSpec | None = None
                   ) -> tuple[bool, str]:
-    """(reuse?, why) for an existing folder at out; spec, when given, is the model spec to build."""
-    if not out.exists():
+    """(reuse?, why) for an existing folder at out; spec, when given, is the model spec to build.
+    The host extension is judged apart (_host_refresh_reason): it alone never rebuilds the kernels."""
+    check_replaceable(out)
+    if not out.exists() or not any(out.iterdir()):
         return False, "new pack"
-    if not (out / "manifest.json").exists() and any(out.iterdir()):
-        raise PackError(f"{out} exists and is not a pack (no manifest.json); refusing to replace it")
     try:
         old = read_manifest(out)
         check_binaries(out, old)
         check_calibration(out, old)
     except PackError as exc:
         return False, f"existing pack unusable ({exc})"
+    if old.schema_version != SCHEMA_VERSION:
+        return False, f"pack schema version {old.schema_version}, this flashqla-tune writes {SCHEMA_VERSION}"
     if old.checkpoint_sha256 != sha:
         return False, f"checkpoint changed (pack has {old.checkpoint_sha256[:16]}, checkpoint is {sha[:16]})"
     if old.tool_version != __version__:
@@ -104,13 +115,70 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, s
         return False, f"build options changed ({old.build} -> {options})"
     if want_tuned_on is not None and (not old.tuned or old.gpu.get("name") != want_tuned_on):
         return False, f"pack is {old.target}; tuning for {want_tuned_on} was asked"
-    if old.host_extension is not None:
-        from . import host_path
-
-        why = host_path.mismatch(old.host_extension)
-        if why is not None:
-            return False, f"its C++ host extension does not fit this process ({why})"
     return True, f"up to date ({old.target}, checkpoint {sha[:16]})"
+
+
+def _host_refresh_reason(manifest: Manifest, build_host=None) -> str | None:
+    """Why an otherwise up-to-date pack needs its host/ rebuilt, or None: its extension does not
+    fit this process, or it has none and this machine can compile one."""
+    from . import host_path
+
+    if manifest.host_extension is not None:
+        why = host_path.mismatch(manifest.host_extension)
+        return None if why is None else f"its C++ host extension does not fit this process ({why})"
+    if build_host is not None or _can_compile_host():
+        return "it has no C++ host extension and this machine can compile one"
+    return None
+
+
+def _can_compile_host() -> bool:
+    """A C++ compiler and Python's headers are here (what host_path.build_into needs)."""
+    compiler = (os.environ.get("CXX") or "c++").split()[0]
+    include = sysconfig.get_paths().get("include")
+    return shutil.which(compiler) is not None and include is not None and (Path(include) / "Python.h").is_file()
+
+
+def _rebuild_host(out: Path, old: Manifest, build_host, log, why: str, seconds: dict) -> BuildReport:
+    """Publish `out` again with only host/ compiled anew (the kernels, calibration and options are
+    kept byte for byte). Where the compile fails the pack stays as it is, and the report says so."""
+    import torch
+
+    log(f"build: {out} is up to date except its host path: {why}; rebuilding only {HOST}/")
+    staging = staging_dir(out)
+    try:
+        t = time.perf_counter()
+        host = _host_extension(staging, build_host, log)
+        seconds["host"] = time.perf_counter() - t
+        if host is None:
+            shutil.rmtree(staging, ignore_errors=True)
+            return BuildReport(out, old, True, f"up to date ({old.target}); its C++ host path could not be "
+                                               f"rebuilt here, see the line above", seconds)
+        from .pack_signing import SIGNATURE
+
+        for item in out.iterdir():
+            if item.name in (HOST, MANIFEST, SIGNATURE):   # a signature covers the old manifest: void now
+                continue
+            if item.is_dir() and not item.is_symlink():
+                shutil.copytree(item, staging / item.name, symlinks=True)
+            else:
+                shutil.copy2(item, staging / item.name, follow_symlinks=False)
+        manifest = dataclasses.replace(old, host_extension=host,
+                                       toolchain={**old.toolchain, "torch": torch.__version__},
+                                       created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine=platform.machine())
+        check_binaries(staging, manifest)
+        _share(staging)
+        write_manifest(staging, manifest)
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return BuildReport(out, manifest, False, f"only {HOST}/ rebuilt: {why}", seconds)
+
+
+def _share(folder: Path) -> None:
+    for path in folder.rglob("*"):      # a pack is shared between users and machines
+        if not path.is_symlink():
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def _tuning_record(result) -> dict:
@@ -129,14 +197,20 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
                max_sequences: int | None = None, progress: bool = True, compare_anchors: bool = False,
                log=None, build_host=None, settings=None, calibration=None, batch_size: int = 8,
                device=None, offload: bool = False, qkv_dtype: str | None = None,
-               state_layout: str | None = None) -> BuildReport:
+               state_layout: str | None = None, rehash: bool = False) -> BuildReport:
     """build_host(folder) -> host_path.PrebuiltExtension compiles the C++ host path into the pack
     (default host_path.build_into; injectable for tests). settings (CalibrationSettings), corpus,
     seq_len, max_sequences, batch_size, device and offload are the calibration's; calibration
     names a finished artifact to use instead (it must be this checkpoint's). qkv_dtype and
-    state_layout replace the checkpoint's in the pack's spec (e.g. "vk" for v-first state pools)."""
+    state_layout replace the checkpoint's in the pack's spec (e.g. "vk" for v-first state pools).
+    rehash=True hashes every checkpoint file's content again (a tuned build always does)."""
     log = log or _stderr_log
     out = Path(out)
+    if out.parent.exists() and not out.parent.is_dir():
+        raise PackError(f"--out {out}: {out.parent} is a file, not a folder")
+    for line in recover(out, clean=True):     # what a build that died here left behind
+        log(f"build: {line}")
+    check_replaceable(out)                    # before any work: --force does not make a folder ours
     tp_sizes = tuple(sorted(set(tp_sizes)))
     if checkpoint is None:
         from .calibrate.default_model import default_model_path
@@ -146,6 +220,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     # Everything that can be refused from config.json alone is refused before any work.
     model = read_model_config(ckpt)
     check_model(model, str(ckpt))
+    check_checkpoint_dtype(model, qkv_dtype, str(ckpt))
     changes = {k: v for k, v in (("qkv_dtype", qkv_dtype), ("state_layout", state_layout)) if v is not None}
     spec = dataclasses.replace(model.spec, **changes) if changes else model.spec
     check_spec(spec, str(ckpt))
@@ -157,7 +232,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         if corpus is not None or seq_len is not None or max_sequences is not None or settings is not None:
             raise ValueError("a finished calibration brings its own corpus and settings: give calibration= "
                              "or the calibration options, not both")
-    from .content_hash import checkpoint_hash
+    from .content_hash import HashCache, checkpoint_hash
     from .calibration_artifact import load_calibration
     from .calibration_settings import CalibrationSettings
 
@@ -172,7 +247,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         options["settings"] = settings.to_dict()        # recorded only when not the defaults
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    sha = checkpoint_hash(ckpt)
+    sha = checkpoint_hash(ckpt, HashCache(rehash=rehash or gpu is not None))
     seconds["hash"] = time.perf_counter() - t0
     given = None
     if calibration is not None:
@@ -181,7 +256,11 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     if not force:
         reuse, why = _reuse_reason(out, sha, tp_sizes, options, gpu.name if gpu else None, spec)
         if reuse:
-            return BuildReport(out, read_manifest(out), True, why, seconds)
+            old = read_manifest(out)
+            host_why = _host_refresh_reason(old, build_host)
+            if host_why is not None:
+                return _rebuild_host(out, old, build_host, log, host_why, seconds)
+            return BuildReport(out, old, True, why, seconds)
     else:
         why = "--force"
     log(f"build: {why}; building {out}")
@@ -191,7 +270,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         plans = {h: default_plan(h.spec) for h in heads}
         cal = _calibration(given, calibration, ckpt, sha, staging, seconds, log, corpus=corpus,
                            settings=settings, seq_len=seq_len, max_sequences=max_sequences, batch_size=batch_size,
-                           device=device, offload=offload, progress=progress)
+                           device=device, offload=offload, progress=progress, qkv_dtype=qkv_dtype)
         # The kernels (nvcc) and the C++ host path (the host compiler) need only the spec: side by side.
         with ThreadPoolExecutor(max_workers=1) as pool:
             host_future = pool.submit(_timed, _host_extension, staging, build_host, log)
@@ -230,8 +309,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
                             calibration_sha256=sha256_file(staging / CALIBRATION),
                             num_gdn_layers=model.num_gdn_layers, tp_sizes=tp_sizes, gpu=gpu_record,
                             toolchain=toolchain(), plans=tuple(pack_plans), build=options, host_extension=host)
-        for path in staging.rglob("*"):      # a pack is shared between users and machines
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        _share(staging)
         write_manifest(staging, manifest)     # last: its presence marks a finished pack
         publish(staging, out)
     except BaseException:

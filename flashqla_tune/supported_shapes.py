@@ -38,8 +38,8 @@ SUPPORTED = ShapeTable(
     qkv_dtypes=("bfloat16", "float16"),
     gate_dtypes=("float32", "bfloat16"),
     state_layouts=("kv", "vk"),
-    # The v-heads are the launch grid's y dimension (csrc/gdn_fwd_host.cuh), which CUDA caps at 65535.
-    max_heads=65535,
+    # The v-heads are the launch grid's y dimension (csrc/gdn_fwd_host.cuh), which CUDA caps at 2^16 - 1.
+    max_heads=(1 << 16) - 1,
     # The one window cap the kernels' warm-up tables enforce (warmup_tables.normalise).
     max_window_chunks=1024,
     what="the Hopper kernels",

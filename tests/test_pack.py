@@ -17,7 +17,7 @@ from flashqla_tune.abi import ABI_VERSION
 from flashqla_tune.environment import GPUInfo
 from flashqla_tune.files import sha256_file
 from flashqla_tune.pack import HostExtension, Manifest, PackError, check_binaries, publish, read_manifest, staging_dir
-from flashqla_tune.pack_build import _host_extension, _reuse_reason, parse_tp, plan_heads
+from flashqla_tune.pack_build import _host_extension, _host_refresh_reason, _reuse_reason, parse_tp, plan_heads
 
 sys.path.insert(0, str(Path(__file__).parent))
 from pack_doubles import H200, MODEL_SPEC, SHA, FakeLibraryOpener, edit_manifest, make_pack  # noqa: E402
@@ -299,10 +299,12 @@ def test_reuse_needs_a_host_extension_that_fits_this_process(tmp_path):
     pack = make_pack(tmp_path / "p")
     _with_host_extension(pack)
     assert _reuse_reason(pack, SHA, (1, 2), {}, None)[0]
+    assert _host_refresh_reason(read_manifest(pack)) is None
     pack = make_pack(tmp_path / "q")
     _with_host_extension(pack, torch="1.0.0")
-    reuse, why = _reuse_reason(pack, SHA, (1, 2), {}, None)
-    assert not reuse and "C++ host extension does not fit" in why and "torch 1.0.0" in why
+    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[0]   # the kernels are up to date: only host/ is rebuilt
+    why = _host_refresh_reason(read_manifest(pack))
+    assert "C++ host extension does not fit" in why and "torch 1.0.0" in why
 
 
 def test_the_build_records_the_host_extension_or_says_why_there_is_none(tmp_path):

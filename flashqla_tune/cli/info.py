@@ -89,7 +89,7 @@ def describe_pack(path: Path) -> dict:
     from ..pack import PackError, check_binaries, check_calibration, read_manifest
     from .calibrate import calibration_summary
 
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, this_host=False)  # describes a pack of any host
     problems = []
     try:
         check_binaries(path, manifest)
@@ -114,7 +114,7 @@ def _pack(path: Path, as_json: bool) -> int:
     if as_json:
         print(json.dumps(info, indent=2))
         return 0
-    m = read_manifest(path)
+    m = read_manifest(path, this_host=False)
     s = m.spec
     print(f"pack {path}: {m.target}, made by flashqla-tune {m.tool_version} on {m.created}")
     gpu = m.gpu
