@@ -4,6 +4,14 @@ One ninja file per build folder, one `nvcc -shared` edge per plan, so ninja runs
 plans at once and, with nvcc's depfile (`deps = gcc`), rebuilds only what a source, header or
 flag change touches. nvcc's output (ptxas -v resource lines, warnings, errors) goes to a log
 file per plan: the resource report on success, the error message on failure.
+
+nvcc runs its sub-steps through its own `sh -c` with paths unquoted, so a path holding shell
+metacharacters or whitespace is refused before ninja starts (UnsafePathError). The link strips
+the static symbol table: it names nvcc's temporary files, which carry nvcc's process id, and
+without it two builds of one source give the same bytes (`flashqla-tune verify` relies on it).
+ninja runs under a small supervisor, in a session of its own, that kills ninja and every
+compiler beneath it when the building process dies, however it dies: no nvcc or cicc outlives
+the build.
 """
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +33,23 @@ from .render import write_if_changed
 # Override the number of parallel nvcc processes (default: the machine's cores).
 JOBS_ENV = "FLASHQLA_TUNE_BUILD_JOBS"
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
+
+
+# Characters a POSIX shell expands or splits words at; nvcc's internal sh -c sees our paths unquoted.
+_SHELL_UNSAFE = frozenset(" \t\n\r\"'`$\\;&|<>()*?[]{}!")
+
+
+class UnsafePathError(ValueError):
+    """A path that would reach nvcc's internal shell holds characters that shell would interpret."""
+
+
+def check_shell_safe(path, what: str) -> None:
+    """Raise UnsafePathError when `path` holds a shell metacharacter or whitespace."""
+    found = sorted(set(str(path)) & _SHELL_UNSAFE)
+    if found:
+        raise UnsafePathError(f"{what} {str(path)!r} contains {''.join(found)!r}: nvcc passes paths unquoted to its "
+                              f"own shell, which would expand or split them; use a folder without shell "
+                              f"metacharacters or spaces (for the cache: FLASHQLA_TUNE_CACHE)")
 
 
 class BuildError(RuntimeError):
@@ -64,6 +90,8 @@ class BuildConfig:
                 "--expt-relaxed-constexpr", "-Xptxas", "-v", "-shared", "-Xcompiler", "-fPIC",
                 # only csrc/gdn_abi.h's FQT_EXPORT functions leave the library (see there why)
                 "-Xcompiler", "-fvisibility=hidden",
+                # no static symbol table: it names nvcc's temporary files, whose names vary per build
+                "-Xlinker", "--strip-all",
                 *self.extra_flags]
 
     def include_dirs(self) -> list[Path]:
@@ -231,6 +259,104 @@ def _run_ninja(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([*find_ninja(), *args], cwd=cwd, capture_output=True, text=True)
 
 
+# Runs ninja (argv[2:]) as its child and exits with ninja's status. ninja starts each command in
+# a process group of its own, so no single group holds the compilers: on Linux this supervisor
+# makes itself the subreaper of everything beneath it (PR_SET_CHILD_SUBREAPER) and asks for
+# SIGTERM when the building process dies (PR_SET_PDEATHSIG; checked against a parent that died
+# first). On SIGTERM, SIGINT or SIGHUP it kills ninja, then every process reparented to it, until
+# none is left: nvcc, cicc and ptxas end with the build. Elsewhere it kills its own group.
+_SUPERVISOR = r"""
+import ctypes, os, signal, subprocess, sys, time
+parent, child = int(sys.argv[1]), None
+linux = sys.platform.startswith("linux") and os.path.isdir("/proc")
+
+def beneath():
+    me, found = str(os.getpid()), []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open("/proc/" + entry + "/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me:
+                found.append(int(entry))
+    return found
+
+def end(signum, frame):
+    if child is not None:
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if linux:
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            pids = beneath()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                pass
+    else:
+        os.killpg(0, signal.SIGKILL)
+    os._exit(128 + (signum or signal.SIGTERM))
+
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, end)
+if linux:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(36, 1, 0, 0, 0)                # PR_SET_CHILD_SUBREAPER
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)    # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent:
+    end(signal.SIGTERM, None)
+child = subprocess.Popen(sys.argv[2:])
+sys.exit(child.wait())
+"""
+
+
+def _run_ninja_supervised(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """Run ninja so that it and every compiler it starts end with this process: under _SUPERVISOR,
+    in a new session (a terminal's Ctrl-C reaches this process, which ends the build), which
+    ends them when this process dies, SIGKILL included, or when the wait here is interrupted."""
+    cmd = [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *find_ninja(), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        _end_supervisor(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _end_supervisor(proc: subprocess.Popen) -> None:
+    proc.terminate()   # the supervisor kills what is beneath it, then exits
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)
+        proc.wait()
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def _edge_seconds(build_dir: Path, outputs: set[str]) -> dict[str, float]:
     # .ninja_log lines: start_ms, end_ms, mtime, output, command hash; the last record wins.
     seconds: dict[str, float] = {}
@@ -267,8 +393,15 @@ def build(jobs: list[BuildJob], build_dir: Path, config: BuildConfig | None = No
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate plan names in one build: {sorted(n for n in names if names.count(n) > 1)}")
     build_dir = Path(build_dir).resolve()
-    build_dir.mkdir(parents=True, exist_ok=True)
     jobs = [BuildJob(j.name, Path(j.source).resolve(), Path(j.output).resolve()) for j in jobs]
+    check_shell_safe(build_dir, "build folder")
+    for job in jobs:
+        check_shell_safe(job.source, f"plan {job.name}'s source")
+        check_shell_safe(job.output, f"plan {job.name}'s library")
+    check_shell_safe(environment.find_nvcc(), "nvcc")
+    for folder in config.include_dirs():
+        check_shell_safe(folder, "include folder")
+    build_dir.mkdir(parents=True, exist_ok=True)
     for job in jobs:
         if not job.source.is_file():
             raise BuildError([(job.name, job.source, "the rendered source file does not exist")])
@@ -277,7 +410,8 @@ def build(jobs: list[BuildJob], build_dir: Path, config: BuildConfig | None = No
     parallel = max_jobs if max_jobs is not None else default_jobs(len(jobs))
     before = {str(j.output): (j.output.stat().st_mtime_ns if j.output.exists() else None) for j in jobs}
     # -k 0: keep going, so one plan's compile error does not hide another plan's result.
-    proc = _run_ninja(["-C", str(build_dir), "-f", "build.ninja", "-k", "0", "-j", str(parallel)], build_dir)
+    proc = _run_ninja_supervised(["-C", str(build_dir), "-f", "build.ninja", "-k", "0", "-j", str(parallel)],
+                                 build_dir)
     seconds = _edge_seconds(build_dir, {str(j.output) for j in jobs})
     results, failures = [], []
     for job in jobs:
@@ -297,5 +431,6 @@ def build(jobs: list[BuildJob], build_dir: Path, config: BuildConfig | None = No
     return results
 
 
-__all__ = ["BuildConfig", "BuildError", "BuildJob", "BuildResult", "build", "default_jobs", "find_ninja",
-           "host_compiler_version", "ninja_file", "nvcc_version_text", "parse_ptxas_report", "recorded_headers"]
+__all__ = ["BuildConfig", "BuildError", "BuildJob", "BuildResult", "UnsafePathError", "build", "check_shell_safe",
+           "default_jobs", "find_ninja", "host_compiler_version", "ninja_file", "nvcc_version_text",
+           "parse_ptxas_report", "recorded_headers"]

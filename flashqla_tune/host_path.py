@@ -16,7 +16,8 @@ Where the extension comes from:
 - the pack-less op builds it once per torch and Python version into the cache, with torch's
   headers and a C++ compiler, in a background thread that the first remembered call starts: until
   it is loaded, calls stay on the Python path. `extension()` waits for it (benchmarks and tests call
-  it first). Where it cannot be built the op warns once and stays on the Python path.
+  it first). Where it cannot be built the op warns once and stays on the Python path. Nothing is
+  built or imported from a cache folder that another user can write to (loader.check_private).
 FLASHQLA_TUNE_HOST_PATH=python keeps every call on the Python path.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from . import environment
 from .abi import ABI_VERSION
+from .loader import check_elf, check_private
 from .package_data import csrc_dir
 from .warmup_tables import CP_SCRATCH_LIMIT_BYTES, MAX_SEGMENTS, segment_state_bytes
 
@@ -164,13 +166,24 @@ def compile_extension(where: Path):
 
     where = Path(where)
     where.mkdir(parents=True, exist_ok=True)
+    check_private_folder(where)
     with FileLock(str(where / ".build.lock")):
         clear_stale_baton(where)
+        for built in where.glob("*.so"):  # what torch would import if it finds the build up to date
+            check_private(built, where)
         module = cpp_extension.load(name=module_name(), sources=[str(csrc_dir() / SOURCE_NAME)],
                                     extra_include_paths=[str(csrc_dir())], extra_cflags=["-O2"],
                                     build_directory=str(where), with_cuda=False, verbose=False)
     _check_abi(module, where)
     return module
+
+
+def check_private_folder(where: Path) -> None:
+    """Refuse (loader.UnsafeLocationError) a build folder that another user can write to, checking
+    every folder from it up to the cache's root when it lies inside the cache."""
+    where = Path(where).absolute()
+    root = environment.cache_dir().absolute()
+    check_private(where, root if where.is_relative_to(root) else where)
 
 
 def _check_abi(module, where) -> None:
@@ -230,7 +243,9 @@ def mismatch(record) -> str | None:
 
 
 def import_prebuilt(path: Path, name: str):
-    """Import a compiled extension from its file (no compiler involved)."""
+    """Import a compiled extension from its file (no compiler involved), after checking that the
+    file is a complete shared library (loader.check_elf: a truncated one would kill the process)."""
+    check_elf(path)
     spec = importlib.util.spec_from_file_location(name, str(path))
     if spec is None or spec.loader is None:
         raise HostPathError(f"{path} is not an importable extension module")
@@ -375,7 +390,7 @@ def forget() -> None:
         _contexts.clear()
 
 
-__all__ = ["ENV_SWITCH", "HostPathError", "PrebuiltExtension", "build_into", "build_key", "compile_extension",
-           "enabled", "extension", "forget", "forward", "import_prebuilt", "known", "mismatch", "module_name",
-           "python_abi", "remember", "signature", "source_files", "sources_sha256", "start_build",
+__all__ = ["ENV_SWITCH", "HostPathError", "PrebuiltExtension", "build_into", "build_key", "check_private_folder",
+           "compile_extension", "enabled", "extension", "forget", "forward", "import_prebuilt", "known", "mismatch",
+           "module_name", "python_abi", "remember", "signature", "source_files", "sources_sha256", "start_build",
            "use_pack_extension"]

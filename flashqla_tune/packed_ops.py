@@ -1,11 +1,15 @@
 """Run-time import of a kernel pack: `ops = flashqla_tune.load(PACK, tp_rank=0, tp_size=1)`.
 
 Loading reads the manifest, checks that the pack fits this GPU, checks the binaries' hashes
-and opens them with ctypes: nothing is compiled. `ops.chunk_gated_delta_rule(..., layer=i)`
-takes the op's arguments (flashqla_tune.ops, FLA's names and order), picks the pack's plan for
-the call's head configuration and layer i's calibration row (i counts the model's GDN layers
-from 0; layer=None takes the model-wide table: per head the largest n_h over the layers, -1
-when any layer chains that head exactly).
+and opens them with ctypes: nothing is compiled. A pack is code: opening a library runs its
+constructors. The hashes sit in the pack's own manifest, so they catch a damaged copy, not files
+replaced together with it; `load(PACK, trusted_keys=[...])` checks an Ed25519 signature (pack_signing) over the
+manifest and every binary before anything is opened, and refuses an unsigned or wrongly signed pack.
+
+`ops.chunk_gated_delta_rule(..., layer=i)` takes the op's arguments (flashqla_tune.ops, FLA's
+names and order), picks the pack's plan for the call's head configuration and layer i's
+calibration row (i counts the model's GDN layers from 0; layer=None takes the model-wide table:
+per head the largest n_h over the layers, -1 when any layer chains that head exactly).
 
 Warm-up context parallelism: the warm-up tables are sliced per rank, checked against the call's
 heads and passed to the kernels as the op's `warmup` (with the calibration's eps), so long
@@ -140,6 +144,7 @@ class PackOps:
                 or chunk_indices is not None or cp_context is not None):
             ops.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,
                               _PACK_KEYWORDS)
+        ops.check_scale(scale)  # the C++ host path takes scale as it is
         values = self._table_values.get(layer) if type(layer) is not bool else None
         key = ops.host_key(q, v, state_v_first, values, self.warmup_eps, self._host_tag) if values else None
         fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -156,14 +161,23 @@ class PackOps:
                 f"{len(self.plans)} plan(s))")
 
 
-def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=loader.open_library) -> PackOps:
+def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=loader.open_library,
+         trusted_keys=None) -> PackOps:
     """Open a pack for one rank. gpu defaults to this machine's (environment.gpu_info());
-    open_library is the ctypes opener (injectable for tests)."""
+    open_library is the ctypes opener (injectable for tests). trusted_keys (Ed25519 public keys:
+    key objects, raw or PEM bytes, PEM text or paths): the pack must carry a signature by one of
+    them over its current manifest, binaries and calibration, checked before any library is
+    opened (pack_signing.PackSignatureError, a PackError, otherwise). None: no signature check,
+    so load only packs from a source you trust."""
     from .calibration_artifact import load_calibration
     from .calibration_settings import CalibrationError
 
     pack = Path(pack)
     manifest = read_manifest(pack)
+    if trusted_keys is not None:
+        from .pack_signing import verify_pack
+
+        verify_pack(pack, trusted_keys, manifest)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size not in manifest.tp_sizes:
         raise PackError(f"tp_size={tp_size!r}: pack {pack} was built for tensor-parallel degrees "
                         f"{list(manifest.tp_sizes)} (flashqla-tune build --tp ...)")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flashqla_tune import cache as kernel_cache
-from flashqla_tune import pack_build
+from flashqla_tune import loader, pack_build
 from flashqla_tune.content_hash import checkpoint_hash
 from flashqla_tune.calibration_artifact import save_calibration
 from flashqla_tune.cli import main
@@ -188,6 +188,7 @@ def test_calibration_flags_reach_the_calibration(tmp_path, doubles, monkeypatch,
 
 def test_cache_ls_flags_spills_only_above_the_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHQLA_TUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "check_elf", lambda path: None)  # the entries' libraries are byte doubles
     root = kernel_cache.kernels_dir()
     for name, spill, key in (("small", 64, "5" * 64), ("large", 65, "1" * 64), ("none", 0, "0" * 64)):
         folder = root / f"plan_{name}-{key[:16]}"
@@ -208,8 +209,7 @@ def test_cache_ls_flags_spills_only_above_the_budget(tmp_path, monkeypatch, caps
     assert flagged == {"plan_large": True, "plan_small": False, "plan_none": False}
 
 
-def test_the_op_logs_one_line_when_it_compiles_a_plan_on_first_use(monkeypatch, caplog):
-    from flashqla_tune import loader
+def test_the_op_logs_one_line_when_it_compiles_a_plan_on_first_use(monkeypatch, caplog, tmp_path):
     from flashqla_tune.plan import default_plan
     from flashqla_tune.spec import GDNSpec
 
@@ -218,7 +218,8 @@ def test_the_op_logs_one_line_when_it_compiles_a_plan_on_first_use(monkeypatch, 
     monkeypatch.setattr(kernel_cache, "lookup", lambda plan, *a: built[-1] if built else None)
 
     def get_kernel(plan, *a):
-        built.append(kernel_cache.CacheEntry(plan, "k", Path("/nowhere"), {"so": "k.so"}, built=True))
+        (tmp_path / "k.so").write_bytes(b"library double")   # the loader checks who can write to it
+        built.append(kernel_cache.CacheEntry(plan, "k", tmp_path, {"so": "k.so"}, built=True))
         return built[-1]
 
     monkeypatch.setattr(kernel_cache, "get_kernel", get_kernel)

@@ -8,7 +8,7 @@ import importlib
 import sys
 
 # Subcommand modules, in the order `--help` lists them. Only commands that exist are here.
-SUBCOMMANDS = ("info", "calibrate", "compile", "tune", "build", "cache", "bench")
+SUBCOMMANDS = ("info", "calibrate", "compile", "tune", "build", "verify", "keygen", "sign", "cache", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

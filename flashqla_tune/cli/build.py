@@ -26,12 +26,17 @@ def add_parser(sub):
                    help="after tuning, time FLA and FlashQLA on the tuner's mixes too (their JIT compiles cost "
                         "minutes; `flashqla-tune bench` or `tune` compares them otherwise)")
     p.add_argument("--force", action="store_true", help="rebuild even when the pack is up to date")
+    p.add_argument("--rehash", action="store_true",
+                   help="hash every checkpoint file's content again instead of trusting a digest remembered for its "
+                        "size and mtime (a tuned build always does)")
     p.add_argument("--calibration", metavar="FILE",
                    help="a finished calibration artifact (calibration.json) of this checkpoint to use instead of "
                         "calibrating; the calibration flags below do not apply then")
     add_calibration_arguments(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars or compile lines")
     p.add_argument("--json", action="store_true", help="print the build report as JSON instead of text")
+    p.add_argument("--sign", metavar="KEY",
+                   help="sign the pack with this Ed25519 private key (flashqla-tune keygen) into PACK/signature.json")
     return p
 
 
@@ -51,20 +56,28 @@ def run(args) -> int:
     settings = None if args.calibration is not None else calibration_settings(args)
     if args.checkpoint is not None:
         checkpoint_spec(args.checkpoint, args)  # config.json against the supported-shape table, before any import
+    signing_key = None
+    if args.sign is not None:  # a key that cannot sign is refused before the build's work
+        from ..pack_signing import load_private_key
+
+        signing_key = load_private_key(args.sign)
     from ..pack_build import build_pack, parse_tp
 
     rep = build_pack(args.checkpoint, args.out, parse_tp(args.tp), tune=not args.no_tune,
                      budget_s=args.budget if args.budget is not None else DEFAULT_BUDGET_S, jobs=args.jobs,
-                     force=args.force, corpus=args.corpus, progress=not args.no_progress,
+                     force=args.force, rehash=args.rehash, corpus=args.corpus, progress=not args.no_progress,
                      compare_anchors=args.compare_anchors, settings=settings, calibration=args.calibration,
                      qkv_dtype=args.dtype, state_layout=args.state_layout, **calibration_run_options(args))
+    signature = sign_built_pack(rep, args.sign, signing_key) if signing_key is not None else None
     if args.json:
-        print(json.dumps(report_dict(rep), indent=2))
+        print(json.dumps({**report_dict(rep), "signature": None if signature is None else str(signature)}, indent=2))
         return 0
     m = rep.manifest
     if rep.reused:
-        print(f"{rep.pack}: {rep.reason}; nothing rebuilt")
+        print(f"{rep.pack}: {rep.reason}; nothing rebuilt" + (f"; signed ({signature})" if signature else ""))
         return 0
+    if signature is not None:
+        print(f"{rep.pack}: signed ({signature})")
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in rep.seconds.items() if k != "hash")
     print(f"{rep.pack}: {m.target} pack for checkpoint {m.checkpoint_sha256[:16]} ({rep.reason}); {stages}")
     print_plans(m)
@@ -73,6 +86,22 @@ def run(args) -> int:
     print(f"  C++ host path: {host.so} (torch {host.torch}, {host.python_abi})" if host is not None else
           "  C++ host path: not compiled here (the pack's eager calls take the Python host path)")
     return 0
+
+
+def sign_built_pack(rep, key_path, key):
+    """Sign the pack build_pack returned. A pack that was reused as up to date is signed only when
+    it already carries a valid signature of this key: its recorded hashes sit in its own folder, so
+    they cannot show that nobody replaced its files since this key last signed them."""
+    from ..pack_signing import PackSignatureError, sign_pack, verify_pack
+
+    if rep.reused:
+        try:
+            verify_pack(rep.pack, [key.public_key()], rep.manifest)
+        except PackSignatureError as exc:
+            raise PackSignatureError(f"{exc}. The pack was found up to date by its own recorded hashes, which "
+                                     f"cannot show it was not replaced; rebuild it to sign it: flashqla-tune build "
+                                     f"--force --sign {key_path}") from None
+    return sign_pack(rep.pack, key_path)
 
 
 def report_dict(rep) -> dict:
