@@ -29,7 +29,7 @@ from . import environment
 from .build import BuildConfig, BuildError, BuildJob, build, host_compiler_version, nvcc_version_text
 from .plan import KernelPlan
 from .render import ABI_VERSION, Renderer
-from .files import sha256_file
+from .files import pid_alive, remove_path, sha256_file
 
 MANIFEST = "manifest.json"
 KEY_FORMAT = 1          # bump when the key's recipe or the entry layout changes
@@ -218,17 +218,6 @@ def _own_dir(path: Path) -> Path:
     return path
 
 
-def _remove(path: Path) -> None:
-    """Delete a file or folder inside the cache; a symbolic link is unlinked, never followed."""
-    if path.is_symlink() or not path.is_dir():
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _discard(path: Path, root: Path) -> None:
     # Rename away first (atomic for readers), then delete at leisure.
     if not path.exists() and not path.is_symlink():
@@ -332,8 +321,8 @@ def _build_and_publish(todo: list[KeyedSource], config: BuildConfig, root: Path,
     with _writing(root, "build folder"):
         tmp = _own_dir(root / ".tmp")
         for child in tmp.iterdir():      # what builds that died left (a live build's folder stays)
-            if _build_pid(child.name) is not None and not _alive(_build_pid(child.name)):
-                _remove(child)
+            if _build_pid(child.name) is not None and not pid_alive(_build_pid(child.name)):
+                remove_path(child)
         staging = tmp / f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     build_jobs, staged = [], {}
     for k in todo:
@@ -437,10 +426,10 @@ def clear(root: Path | None = None, match: str | None = None) -> int:
             for child in tmp.iterdir():
                 # Staging folders of builds still running belong to live processes; keep those.
                 pid = _build_pid(child.name)
-                if pid is not None and _alive(pid):
+                if pid is not None and pid_alive(pid):
                     continue
                 with _writing(root, "remove leftovers"):
-                    _remove(child)
+                    remove_path(child)
     return removed
 
 
@@ -449,15 +438,6 @@ def _build_pid(name: str) -> int | None:
     parts = name.split("-")
     return int(parts[1]) if len(parts) == 3 and parts[0] == "build" and parts[1].isdigit() else None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 __all__ = ["CacheEntry", "CacheError", "EntryInfo", "KeyedSource", "check_entry", "clear", "get_kernel",

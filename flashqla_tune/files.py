@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -42,3 +43,28 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "sha256_file"]
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or folder; a symbolic link is unlinked, never followed."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int | None) -> bool:
+    """Whether a process of this id runs on this host (one of another user's counts as running)."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -30,7 +30,6 @@ import errno
 import json
 import os
 import platform
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pathlib import Path
 
 from . import __version__
 from .cp_cost_model import CostModelError, check_segment_table
-from .files import sha256_file
+from .files import pid_alive, remove_path, sha256_file
 from .plan import KernelPlan, PlanError
 from .spec import GDNSpec, SpecError
 
@@ -330,7 +329,7 @@ def publish(staging: Path, out: Path) -> None:
         os.replace(staging, out)
         return
     if _exchange(staging, out):
-        _remove(staging)   # the old pack, now under the staging name
+        remove_path(staging)   # the old pack, now under the staging name
         return
     aside = out.parent / f".{out.name}{_ASIDE}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.replace(out, aside)
@@ -339,7 +338,7 @@ def publish(staging: Path, out: Path) -> None:
     except OSError:
         os.replace(aside, out)   # put the old pack back
         raise
-    _remove(aside)
+    remove_path(aside)
 
 
 _STAGING, _ASIDE = ".staging-", ".old-"
@@ -380,29 +379,6 @@ def _leftovers(out: Path) -> list[tuple[Path, str, int | None]]:
     return found
 
 
-def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove(path: Path) -> None:
-    """Delete a folder of ours; a symbolic link is unlinked, never followed."""
-    if path.is_symlink() or not path.is_dir():
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def recover(out: Path, *, clean: bool = False, wait_s: float = 2.0) -> list[str]:
     """Restore `out` where a publish died between its two renames (the old pack is put back from its
     aside folder), and with clean=True delete the staging and aside folders of dead processes.
@@ -412,7 +388,7 @@ def recover(out: Path, *, clean: bool = False, wait_s: float = 2.0) -> list[str]
     deadline = time.monotonic() + wait_s
     while not out.exists() and not out.is_symlink():
         aside = [(p, pid) for p, kind, pid in _leftovers(out) if kind == _ASIDE and p.is_dir() and not p.is_symlink()]
-        dead = sorted((p for p, pid in aside if not _alive(pid)), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        dead = sorted((p for p, pid in aside if not pid_alive(pid)), key=lambda p: p.stat().st_mtime_ns, reverse=True)
         if dead:
             try:
                 os.rename(dead[0], out)
@@ -425,8 +401,8 @@ def recover(out: Path, *, clean: bool = False, wait_s: float = 2.0) -> list[str]
         time.sleep(0.05)   # its publisher is alive and about to rename the new pack in
     if clean:
         for path, kind, pid in _leftovers(out):
-            if not _alive(pid) and (out.exists() or kind == _STAGING):
-                _remove(path)
+            if not pid_alive(pid) and (out.exists() or kind == _STAGING):
+                remove_path(path)
                 done.append(f"removed {path.name}, left by a build that died (pid {pid})")
     return done
 

@@ -139,7 +139,7 @@ if mode == "between the two renames":
         die()
     pack.os.replace = replace
 else:                                        # after the atomic exchange, before the old pack is deleted
-    pack.shutil.rmtree = die
+    pack.remove_path = die
 pack.publish(staging, out)
 sys.exit(3)
 """
