@@ -36,6 +36,14 @@ def read_cases(path: Path) -> list[tuple[str, str]]:
     return cases
 
 
+# Cases that stay as they are by design, with the reason the table gives where no test covers them.
+INHERENT = {
+    "cu_seqlens_cpu disagrees with cu_seqlens": "inherent: comparing the two would synchronise with the GPU; "
+    "the kernels read cu_seqlens and clamp offsets, so a wrong host copy costs speed (a CP decision), never "
+    "memory safety (flashqla_tune/ops.py's docstring)",
+}
+
+
 class Collector:
     """A pytest plugin: the bad_input marker's cases per test, and each test's outcome."""
 
@@ -82,7 +90,7 @@ def main(argv=None) -> int:
         if tests:
             covered += 1
             passing += outcomes == {"passed"}
-        state = ("not covered" if not tests else "passes" if outcomes == {"passed"} else
+        state = (INHERENT.get(case, "not covered") if not tests else "passes" if outcomes == {"passed"} else
                  ", ".join(sorted(outcomes)))
         where = "<br>".join(f"`{t}`" for t in tests)
         rows.append(f"| {cls} | {case.replace('|', '/')} | {state} | {where} |")
@@ -97,7 +105,7 @@ def main(argv=None) -> int:
         "-->", "",
         "# Bad inputs and faults: what each listed case gets now", "",
         f"{len(listed)} listed cases: {covered} covered by a test, {passing} of them passing, "
-        f"{len(listed) - covered} not covered. Class d: data lost, b: a traceback or an unexplained "
+        f"{len(listed) - covered} not covered ({sum(c in INHERENT for _, c in listed)} of them inherent). Class d: data lost, b: a traceback or an unexplained "
         "message, c: accepted silently (as first seen); a passing test asserts the case now gets a "
         "clear error naming the value, or correct behaviour.", "",
         "| class | case | now | tests |", "|---|---|---|---|", *rows,

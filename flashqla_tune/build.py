@@ -146,8 +146,7 @@ def host_compiler_version() -> str:
 @lru_cache(maxsize=None)
 def nvcc_version_text() -> str:
     """nvcc --version in full (release and build id), for the cache key."""
-    out = subprocess.run([str(environment.find_nvcc()), "--version"], capture_output=True, text=True, check=True)
-    return out.stdout.strip()
+    return environment.nvcc_version_output().strip()
 
 
 def default_jobs(count: int) -> int:

@@ -81,8 +81,22 @@ def find_nvcc() -> Path:
 
 
 @lru_cache(maxsize=None)
+def nvcc_version_output() -> str:
+    """`nvcc --version` in full; a compiler that does not answer is a ToolchainError naming it."""
+    nvcc = find_nvcc()
+    try:
+        run = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ToolchainError(f"{nvcc} --version could not run: {exc}") from exc
+    if run.returncode != 0 or "release" not in run.stdout:
+        detail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise ToolchainError(f"{nvcc} --version failed (exit status {run.returncode}: {detail[0]}); this is not a "
+                             f"working nvcc (set CUDA_HOME or PATH to a CUDA toolkit)")
+    return run.stdout
+
+
 def nvcc_version() -> str:
-    out = subprocess.run([str(find_nvcc()), "--version"], capture_output=True, text=True, check=True).stdout
+    out = nvcc_version_output()
     match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
     return match.group(2) if match else out.strip().splitlines()[-1]
 

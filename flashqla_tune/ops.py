@@ -3,7 +3,10 @@
 FLA's argument names and positional order (options it cannot honour are refused by name:
 check_options). Every check here runs on the host without synchronising
 the GPU; cu_seqlens values are checked only when cu_seqlens_cpu is given (the kernels clamp
-offsets, so they never go out of bounds whatever cu_seqlens holds). The call is a
+offsets, so they never go out of bounds whatever cu_seqlens holds). A cu_seqlens_cpu that
+disagrees with cu_seqlens is not detected (that would synchronise): the kernels read cu_seqlens,
+and the host copy only decides whether the context-parallel kernels may be skipped, so a wrong
+copy costs speed, never results or memory safety. The call is a
 torch.library custom op with a fake implementation, so torch.compile traces through it, and
 it is CUDA-graph capturable.
 """
