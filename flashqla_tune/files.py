@@ -42,9 +42,6 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "sha256_file"]
-
-
 def remove_path(path: Path) -> None:
     """Delete a file or folder; a symbolic link is unlinked, never followed."""
     path = Path(path)
@@ -68,3 +65,6 @@ def pid_alive(pid: int | None) -> bool:
     except PermissionError:
         return True
     return True
+
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "pid_alive", "remove_path", "sha256_file"]

@@ -29,6 +29,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import platform
 import time
 import uuid
@@ -264,8 +265,17 @@ def read_manifest(pack: str | Path, *, this_host: bool = True) -> Manifest:
     if not path.is_file():
         raise PackError(f"{pack} has no {MANIFEST}: not a pack, or a build that did not finish")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise PackError(f"{path} cannot be read: {exc}") from exc
+    return parse_manifest(raw, path, this_host=this_host)
+
+
+def parse_manifest(raw: bytes, path: Path, *, this_host: bool = True) -> Manifest:
+    """A manifest from the bytes read at `path` (the bytes a signature check hashed, when one did)."""
+    try:
+        data = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise PackError(f"{path} is damaged (not JSON: {exc})") from exc
     manifest = Manifest.from_dict(data, str(path))
     if this_host:
@@ -362,7 +372,10 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _leftovers(out: Path) -> list[tuple[Path, str, int | None]]:
-    """(path, kind, pid) of the staging and aside folders beside `out`; pid None: a name without one."""
+    """(path, kind, pid) of the staging and aside folders of `out` itself: names exactly as
+    staging_dir and publish make them (.NAME.staging-PID-HEX8, .NAME.old-PID-HEX8; schema-1 tools
+    named them without the pid, pid None, and no such publisher runs), so another pack's folders,
+    whose names may share the prefix, are never taken for this one's."""
     out = Path(out)
     found = []
     try:
@@ -371,11 +384,9 @@ def _leftovers(out: Path) -> list[tuple[Path, str, int | None]]:
         return []
     for name in names:
         for kind in (_STAGING, _ASIDE):
-            prefix = f".{out.name}{kind}"
-            if name.startswith(prefix):
-                head = name[len(prefix):].split("-")
-                pid = int(head[0]) if len(head) == 2 and head[0].isdigit() else None
-                found.append((out.parent / name, kind, pid))
+            match = re.fullmatch(re.escape(f".{out.name}{kind}") + r"(?:(\d+)-)?[0-9a-f]{8}", name)
+            if match:
+                found.append((out.parent / name, kind, int(match.group(1)) if match.group(1) else None))
     return found
 
 

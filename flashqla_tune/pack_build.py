@@ -155,6 +155,7 @@ def _rebuild_host(out: Path, old: Manifest, build_host, log, why: str, seconds: 
                                                f"rebuilt here, see the line above", seconds)
         from .pack_signing import SIGNATURE
 
+        was_signed = (out / SIGNATURE).is_file()
         for item in out.iterdir():
             if item.name in (HOST, MANIFEST, SIGNATURE):   # a signature covers the old manifest: void now
                 continue
@@ -172,7 +173,10 @@ def _rebuild_host(out: Path, old: Manifest, build_host, log, why: str, seconds: 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return BuildReport(out, manifest, False, f"only {HOST}/ rebuilt: {why}", seconds)
+    unsigned = "; its signature covered the old files and was dropped: sign it again (--sign KEY)" if was_signed else ""
+    if unsigned:
+        log(f"build: {out}{unsigned}")
+    return BuildReport(out, manifest, False, f"only {HOST}/ rebuilt: {why}{unsigned}", seconds)
 
 
 def _share(folder: Path) -> None:
@@ -279,7 +283,7 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
                 compile_plans(list(plans.values()), jobs=jobs, progress=progress, log=log)
             finally:
                 seconds["compile"] = time.perf_counter() - t
-                host, seconds["host"] = host_future.result()
+            host, seconds["host"] = host_future.result()   # after a failed compile, its error is the one raised
         tuning: dict[KernelPlan, dict] = {}
         if gpu is not None:
             t = time.perf_counter()

@@ -150,12 +150,16 @@ def signed_files(manifest: Manifest) -> list[str]:
     return sorted(names)
 
 
-def digests(pack, manifest: Manifest) -> dict:
-    """sha256 of each signed file as it is on disk now (a missing file is a PackSignatureError)."""
+def digests(pack, manifest: Manifest, manifest_bytes: bytes | None = None) -> dict:
+    """sha256 of each signed file as it is on disk now (a missing file is a PackSignatureError);
+    manifest_bytes, when given, are the manifest as the caller read and parsed it."""
     pack = Path(pack)
     out = {}
     for name in signed_files(manifest):
         path = pack / name
+        if name == MANIFEST and manifest_bytes is not None:
+            out[name] = hashlib.sha256(manifest_bytes).hexdigest()
+            continue
         if not path.is_file():
             raise PackSignatureError(f"pack {pack} lacks {name}, which its signature must cover")
         out[name] = sha256_file(path)
@@ -207,7 +211,8 @@ def read_signature(pack) -> dict:
     return record
 
 
-def verify_pack(pack, trusted_keys, manifest: Manifest | None = None) -> SignedPack:
+def verify_pack(pack, trusted_keys, manifest: Manifest | None = None, manifest_bytes: bytes | None = None
+                ) -> SignedPack:
     """Check that one of `trusted_keys` signed this pack's current files; raise PackSignatureError
     naming what differs otherwise. Reads files only: nothing of the pack is opened as code."""
     from cryptography.exceptions import InvalidSignature
@@ -221,7 +226,7 @@ def verify_pack(pack, trusted_keys, manifest: Manifest | None = None) -> SignedP
                               "signature check")
     manifest = manifest if manifest is not None else read_manifest(pack)
     record = read_signature(pack)
-    files = digests(pack, manifest)
+    files = digests(pack, manifest, manifest_bytes)
     signed = record["files"]
     changed = sorted(name for name in set(files) | set(signed) if files.get(name) != signed.get(name))
     if changed:

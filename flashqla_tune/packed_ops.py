@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from . import environment, host_path, loader, ops, runtime, warmup_tables
-from .pack import CALIBRATION, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration, read_manifest
+from .pack import (CALIBRATION, MANIFEST, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration,
+                   parse_manifest, read_manifest)
 from .plan import KernelPlan, kernel_spec
 
 _AUTO = object()
@@ -177,7 +178,10 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
     if trusted_keys is not None:
         from .pack_signing import verify_pack
 
-        verify_pack(pack, trusted_keys, manifest)
+        # The manifest in use is parsed from the very bytes the signature check hashes.
+        raw = (pack / MANIFEST).read_bytes()
+        manifest = parse_manifest(raw, pack / MANIFEST)
+        verify_pack(pack, trusted_keys, manifest, raw)
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size not in manifest.tp_sizes:
         raise PackError(f"tp_size={tp_size!r}: pack {pack} was built for tensor-parallel degrees "
                         f"{list(manifest.tp_sizes)} (flashqla-tune build --tp ...)")

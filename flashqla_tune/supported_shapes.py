@@ -76,7 +76,7 @@ def heads_problem(num_qk_heads: int, num_v_heads: int) -> str | None:
             return f"{name}={value!r} must be a positive integer"
         if value > SUPPORTED.max_heads:
             return f"{name}={value} exceeds the {SUPPORTED.max_heads} heads {SUPPORTED.what} launch"
-    if num_qk_heads < 1 or num_v_heads < 1 or num_v_heads % num_qk_heads:
+    if num_v_heads % num_qk_heads:
         return (f"v heads Hv={num_v_heads} must be a multiple of q/k heads Hqk={num_qk_heads} "
                 f"(v-head h reads q/k head h // (Hv/Hqk))")
     return None

@@ -31,7 +31,9 @@ COMPILER = ("flashqla_tune.build", "flashqla_tune.render", "flashqla_tune.cache"
             "flashqla_tune.pack_build", "jinja2", "torch.utils.cpp_extension")
 RUNTIME = ("flashqla_tune.ops", "flashqla_tune.packed_ops", "flashqla_tune.runtime", "flashqla_tune.host_path",
            "flashqla_tune.loader", "flashqla_tune.fla_backend", "flashqla_tune.warmup_tables",
-           "flashqla_tune.cp_cost_model", "flashqla_tune.segment_policy")
+           "flashqla_tune.cp_cost_model", "flashqla_tune.segment_policy", "flashqla_tune.pack",
+           "flashqla_tune.pack_signing", "flashqla_tune.integrations.transformers", "flashqla_tune.integrations.vllm",
+           "flashqla_tune.integrations.sglang", "flashqla_tune.integrations.serving_calls")
 
 # Imports each module in turn and reports, per module, which watched modules it pulled in first.
 PROBE = r"""

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:
         print(f"flashqla-tune {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

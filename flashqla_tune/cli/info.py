@@ -113,7 +113,7 @@ def _pack(path: Path, as_json: bool) -> int:
     info = describe_pack(path)
     if as_json:
         print(json.dumps(info, indent=2))
-        return 0
+        return 1 if info["problems"] else 0
     m = read_manifest(path, this_host=False)
     s = m.spec
     print(f"pack {path}: {m.target}, made by flashqla-tune {m.tool_version} on {m.created}")
