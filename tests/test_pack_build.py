@@ -34,7 +34,7 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert "untuned sm_90a pack" in out
     assert "context parallel (segment tables from the pooled calibration" in out and "tp=2 native      2048 tokens: " in out
     assert "5 GDN layers x 8 v-heads" in err and "layer 0: " in err  # the calibration summary
-    assert "compile: 4 plan(s) to build" in err and "compile [4/4] " in err   # a progress line per plan
+    assert "compile [" not in err   # --no-progress: the per-plan lines are tests/test_cli_build.py's
     m = read_manifest(pack)
     assert not m.tuned and m.gpu["arch"] == "sm_90a" and m.tp_sizes == (1, 2)
     assert sorted((p.tp_size, p.form, p.heads) for p in m.plans) == [
