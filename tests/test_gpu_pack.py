@@ -24,18 +24,14 @@ from gdn_inputs import make_inputs, rel_l2  # noqa: E402
 
 from flashqla_tune.calibrate.default_model import default_model_path  # noqa: E402
 from flashqla_tune.oracle import chunk_gated_delta_rule_chunked  # noqa: E402
-from flashqla_tune.pack_build import build_pack  # noqa: E402
 from flashqla_tune.packed_ops import load  # noqa: E402
 
 DEV = "cuda"
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    pytest.importorskip("transformers")  # the build calibrates the model through its own layers
-    out = tmp_path_factory.mktemp("pack") / "default_pack"
-    build_pack(default_model_path(), out, tune=False, progress=False)
-    return out
+def pack(shipped_pack):
+    return shipped_pack
 
 
 def gpu_inputs(**kw):

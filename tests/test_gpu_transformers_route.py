@@ -19,18 +19,13 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from flashqla_tune.calibrate.default_model import default_model_path  # noqa: E402
-from flashqla_tune.pack_build import build_pack  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "transformers_route.py"
 
 
 @pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    pytest.importorskip("transformers")  # the build calibrates the model through its own layers
-    out = tmp_path_factory.mktemp("pack") / "default_pack"
-    build_pack(default_model_path(), out, tune=False, progress=False)
-    return out
+def pack(shipped_pack):
+    return shipped_pack
 
 
 def test_shipped_model_prefill_through_the_transformers_route(pack, tmp_path, capsys):

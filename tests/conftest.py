@@ -1,0 +1,16 @@
+"""Fixtures several test modules share."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def shipped_pack(tmp_path_factory):
+    """An untuned pack of the shipped model, built once per test session (the GPU modules' packs)."""
+    pytest.importorskip("transformers")  # the build calibrates the model through its own layers
+    from flashqla_tune.calibrate.default_model import default_model_path
+    from flashqla_tune.pack_build import build_pack
+
+    out = tmp_path_factory.mktemp("pack") / "default_pack"
+    build_pack(default_model_path(), out, tune=False, progress=False)
+    return out
