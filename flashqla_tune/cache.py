@@ -317,11 +317,26 @@ def get_kernels(plans: list[KernelPlan], renderer: Renderer | None = None, confi
     return [entries[k.key] for k in keyed]
 
 
+# A build folder whose pid is not running here is left alone until it is this old: on a cache
+# shared between hosts or containers, the pid may be another pid namespace's live build.
+STALE_BUILD_S = 3600.0
+
+
+def _is_dead_build(folder: Path) -> bool:
+    pid = _build_pid(folder.name)
+    if pid is None or pid_alive(pid):
+        return False
+    try:
+        return time.time() - folder.lstat().st_mtime > STALE_BUILD_S
+    except OSError:
+        return False
+
+
 def _build_and_publish(todo: list[KeyedSource], config: BuildConfig, root: Path, jobs: int | None) -> dict:
     with _writing(root, "build folder"):
         tmp = _own_dir(root / ".tmp")
         for child in tmp.iterdir():      # what builds that died left (a live build's folder stays)
-            if _build_pid(child.name) is not None and not pid_alive(_build_pid(child.name)):
+            if _is_dead_build(child):
                 remove_path(child)
         staging = tmp / f"build-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     build_jobs, staged = [], {}

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import sha256_file
+from .files import atomic_write_text, sha256_file
 from .pack import CALIBRATION, MANIFEST, Manifest, PackError, check_binaries, check_calibration, read_manifest
 
 SIGNATURE = "signature.json"
@@ -141,6 +141,11 @@ def _raw(public_key) -> bytes:
     return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
+def public_key_id(public_key) -> str:
+    """The key id of a public key in any form load_public_key takes."""
+    return key_id(_raw(load_public_key(public_key)))
+
+
 def signed_files(manifest: Manifest) -> list[str]:
     """The files a signature covers, as paths relative to the pack, sorted: the manifest, every
     kernel binary it lists, its host extension and the calibration."""
@@ -186,11 +191,7 @@ def sign_pack(pack, private_key_path) -> Path:
     record = {"schema": SIGNATURE_SCHEMA, "version": SIGNATURE_VERSION, "algorithm": ALGORITHM,
               "public_key": base64.b64encode(public_raw).decode(), "key_id": key_id(public_raw),
               "files": files, "signature": base64.b64encode(key.sign(message(files))).decode()}
-    path = pack / SIGNATURE
-    tmp = pack / f".{SIGNATURE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(pack / SIGNATURE, json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def read_signature(pack) -> dict:
@@ -250,5 +251,5 @@ def verify_pack(pack, trusted_keys, manifest: Manifest | None = None, manifest_b
 
 
 __all__ = ["SigningKeyError", "PackSignatureError", "SIGNATURE", "SignedPack", "digests", "generate_key", "key_id",
-           "load_private_key", "load_public_key", "message", "read_signature", "sign_pack", "signed_files",
+           "load_private_key", "load_public_key", "message", "public_key_id", "read_signature", "sign_pack", "signed_files",
            "verify_pack"]

@@ -14,6 +14,7 @@ import platform
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -472,6 +473,9 @@ def test_a_kernel_build_removes_what_dead_builds_left_in_the_cache(tmp_path, mon
     dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                                   text=True).stdout)
     (tmp / f"build-{dead_pid}-aaaa1111" / "entry").mkdir(parents=True)
+    (tmp / f"build-{dead_pid}-cccc3333").mkdir()          # a dead pid's recent folder: maybe another host's
+    old = time.time() - kernel_cache.STALE_BUILD_S - 60
+    os.utime(tmp / f"build-{dead_pid}-aaaa1111", (old, old))
     (tmp / f"build-{os.getpid()}-bbbb2222").mkdir()
     monkeypatch.setattr(kernel_cache, "keyed_source", lambda p, *a: kernel_cache.KeyedSource(
         p, "// source double", (), {}, "cd" * 32))
@@ -485,4 +489,5 @@ def test_a_kernel_build_removes_what_dead_builds_left_in_the_cache(tmp_path, mon
     with pytest.raises(RuntimeError, match="build double"):
         kernel_cache.get_kernels([default_plan(MODEL_SPEC)])
     [names] = seen
-    assert f"build-{dead_pid}-aaaa1111" not in names and f"build-{os.getpid()}-bbbb2222" in names and len(names) == 2
+    assert f"build-{dead_pid}-aaaa1111" not in names and f"build-{os.getpid()}-bbbb2222" in names
+    assert f"build-{dead_pid}-cccc3333" in names and len(names) == 3

@@ -10,13 +10,10 @@ def add_parser(sub):
 
 
 def run(args) -> int:
-    from ..pack_signing import generate_key, key_id, load_public_key
+    from ..pack_signing import generate_key, public_key_id
 
     private, public = generate_key(args.out)
-    from cryptography.hazmat.primitives import serialization
-
-    raw = load_public_key(public).public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     print(f"private key {private} (keep it to yourself; sign with: flashqla-tune build --sign {private})")
-    print(f"public key  {public} (key id {key_id(raw)}; load with: flashqla_tune.load(PACK, "
+    print(f"public key  {public} (key id {public_key_id(public)}; load with: flashqla_tune.load(PACK, "
           f"trusted_keys=[{str(public)!r}]))")
     return 0
