@@ -9,7 +9,7 @@ nvcc runs its sub-steps through its own `sh -c` with paths unquoted, so a path h
 metacharacters or whitespace is refused before ninja starts (UnsafePathError). The link strips
 the static symbol table: it names nvcc's temporary files, which carry nvcc's process id, and
 without it two builds of one source give the same bytes (`flashqla-tune verify` relies on it).
-ninja runs under a small supervisor, in a session of its own, that kills ninja and every
+ninja runs under a small supervisor, in a POSIX session of its own (setsid), that kills ninja and every
 compiler beneath it when the building process dies, however it dies: no nvcc or cicc outlives
 the build.
 """
@@ -327,7 +327,7 @@ sys.exit(child.wait())
 
 def _run_ninja_supervised(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """Run ninja so that it and every compiler it starts end with this process: under _SUPERVISOR,
-    in a new session (a terminal's Ctrl-C reaches this process, which ends the build), which
+    in a new POSIX session (setsid; a terminal's Ctrl-C reaches this process, which ends the build), which
     ends them when this process dies, SIGKILL included, or when the wait here is interrupted."""
     cmd = [sys.executable, "-c", _SUPERVISOR, str(os.getpid()), *find_ninja(), *args]
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

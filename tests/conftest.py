@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def shipped_pack(tmp_path_factory):
-    """An untuned pack of the shipped model, built once per test session (the GPU modules' packs)."""
+    """An untuned pack of the shipped model, built once per pytest run and shared by the GPU modules."""
     pytest.importorskip("transformers")  # the build calibrates the model through its own layers
     from flashqla_tune.calibrate.default_model import default_model_path
     from flashqla_tune.pack_build import build_pack
