@@ -274,6 +274,31 @@ def test_sglang_extend_runs_on_the_pack_and_updates_the_pool_in_place(fake_sglan
     assert load.seen == [("/packs/qwen-vk", 0, 1)]
 
 
+def test_sglang_padding_slots_read_zeros_and_write_nothing(fake_sglang):
+    # -1 is SGLang's PAD_SLOT_ID; as a plain index it is the pool's last slot, another request's state
+    pack = PackOpsDouble()
+    sglang_route.install("/p", load=loader_of(pack), tp=lambda: (0, 1))
+    batch = sglang_batch(seqlens=(90, 0, 64), cache_indices=(6, -1, 3))
+    before = batch.pool.clone()
+    fake_sglang.GDNAttnBackend().forward_extend(types.SimpleNamespace(layer_id=1), batch, None, None, None)
+    h0 = pack.calls[0]["initial_state"]
+    assert torch.equal(h0[1], torch.zeros_like(h0[1])) and torch.equal(h0[0], before[6])
+    _, f_ref = recurrent_gated_delta_rule(batch.q, batch.k, batch.v, batch.g, batch.beta, initial_state=h0,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                          state_v_first=True, cu_seqlens=batch.query_start_loc)
+    torch.testing.assert_close(batch.pool[[6, 3]], f_ref[[0, 2]].float())
+    untouched = [s for s in range(9) if s not in (6, 3)]
+    assert torch.equal(batch.pool[untouched], before[untouched])  # slot 8 (index -1) included
+
+
+def test_sglang_a_batch_of_padding_alone_leaves_the_pool():
+    pool = torch.randn(5, 2, 8, 8)
+    before = pool.clone()
+    sglang_route.scatter_states(pool, torch.tensor([-1, -1]), torch.randn(2, 2, 8, 8))
+    assert torch.equal(pool, before)
+    assert torch.equal(sglang_route.gather_states(pool, torch.tensor([-1, 2]))[1], pool[2])
+
+
 def test_sglang_decode_and_the_older_dispatcher_slot(fake_sglang):
     pack = PackOpsDouble()
     sglang_route.install("/p", load=loader_of(pack), tp=lambda: (0, 1))

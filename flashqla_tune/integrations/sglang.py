@@ -13,7 +13,8 @@ Decode and verification keep SGLang's kernels.
 States: SGLang passes the whole v-first state pool ([slots, Hv, V, K]) and one slot index per
 request, and expects the extend kernel to update the slots in place (its FLA Triton kernel
 does). The route gathers the slots as initial states, runs the pack with state_v_first=True and
-writes the final states back in the pool's dtype. q and k arrive unnormalised: SGLang's Triton
+writes the final states back in the pool's dtype; a negative slot (padding) reads zeros and writes
+nothing. q and k arrive unnormalised: SGLang's Triton
 extend L2-normalises them in the kernel, and so does the route.
 
 The call-site conventions this module follows are recorded, with the sources read, in
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+
+import torch
 
 from .serving_calls import (PackSource, Refusals, UnsupportedCall, default_load, gdn_layer_of_decoder, pack_from_env,
                             refusal_types)
@@ -63,9 +66,36 @@ def convert_extend(q, k, v, g, beta, *, ssm_states, cache_indices, query_start_l
     # fused_gdn_gating returns [1, T, Hv]; a [T, Hv] gate or beta gets its batch dimension back
     g = g.unsqueeze(0) if g.dim() == 2 else g
     beta = beta.unsqueeze(0) if beta.dim() == 2 else beta
-    call = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=ssm_states[cache_indices], output_final_state=True,
-                use_qk_l2norm_in_kernel=bool(l2norm), state_v_first=True, cu_seqlens=query_start_loc)
+    call = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=gather_states(ssm_states, cache_indices),
+                output_final_state=True, use_qk_l2norm_in_kernel=bool(l2norm), state_v_first=True,
+                cu_seqlens=query_start_loc)
     return call, inplace_update
+
+
+# A negative slot (SGLang's PAD_SLOT_ID, -1) marks a padding request: it starts from a zero state and
+# its final state goes nowhere. Indexing the pool with it would read and overwrite the pool's last
+# slot, another request's state. Both helpers stay on the device (no sync, capturable).
+def gather_states(ssm_states, cache_indices):
+    """The requests' initial states from the pool; zero for padding slots."""
+    valid = (cache_indices >= 0).view(-1, 1, 1, 1)
+    states = ssm_states[cache_indices.clamp(min=0)]
+    return torch.where(valid, states, torch.zeros((), dtype=states.dtype, device=states.device))
+
+
+def scatter_states(ssm_states, cache_indices, final_state) -> None:
+    """Writes the requests' final states into their pool slots; padding slots write nothing.
+
+    One index_put writes every row. A padding row is pointed at the slot of the first real request
+    with that request's own state (or, with no real request, at slot 0 with slot 0's own value), so
+    duplicate indices always carry equal values and the write is deterministic."""
+    valid = cache_indices >= 0
+    slots = cache_indices.clamp(min=0)
+    new = final_state.to(ssm_states.dtype)
+    first = torch.argmax(valid.to(torch.int32))  # 0 when no request is real
+    pad_slot = slots[first]
+    pad_state = torch.where(valid[first], new[first], ssm_states[pad_slot])
+    slots = torch.where(valid, slots, pad_slot)
+    ssm_states[slots] = torch.where(valid.view(-1, 1, 1, 1), new, pad_state)
 
 
 def _describe(value) -> str:
@@ -99,7 +129,7 @@ class PackExtendKernel:
             return self.fallback.extend(q, k, v, g, beta, ssm_states=ssm_states, cache_indices=cache_indices,
                                         query_start_loc=query_start_loc, **options)
         if inplace_update:
-            ssm_states[cache_indices] = final_state.to(ssm_states.dtype)
+            scatter_states(ssm_states, cache_indices, final_state)
         # (output, last state, per-chunk states): the pool holds the last states already, and the
         # pack exposes no per-chunk states (SGLang then skips its mid-sequence state tracking)
         return o, None, None
