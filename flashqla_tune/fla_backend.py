@@ -5,7 +5,8 @@ lowest first; FlashQLA's is 3, ours defaults to 2 so the pack is asked first. Fo
 FLA runs `chunk_gated_delta_rule_verifier`; a refusal (with its reason, which FLA logs) sends
 the call on to the next backend or FLA's Triton kernels. FLA calls carry no layer index, so
 the pack runs with its model-wide warm-up table (per head the largest n_h over layers), guarded
-like every pack call (see flashqla_tune.packed_ops). fla is imported only when registering.
+like every pack call (see flashqla_tune.packed_ops). The pack's op is differentiable, so calls
+that need a gradient (FLA's training path) are taken too. fla is imported only when registering.
 """
 from __future__ import annotations
 
@@ -26,17 +27,14 @@ def cuda_arch(t: torch.Tensor) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(t.device)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
 def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                 use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
                 state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, *,
                 device_arch=cuda_arch, **kwargs) -> tuple[bool, str | None]:
     """(True, None) when the pack can run this FLA call (FLA's arguments, positional or not), else
     (False, why): the options the op refuses, with the op's reasons (ops.check_options), then the
-    inputs, grad, device and the pack's plans. Cheap, no side effects."""
+    inputs, device and the pack's plans. Calls that need a gradient are taken: the pack's op is
+    differentiable (flashqla_tune.ops registers its backward). Cheap, no side effects."""
     try:
         op_checks.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
     except (TypeError, ValueError) as exc:  # UnsupportedError is a ValueError
@@ -46,8 +44,6 @@ def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, outp
                                               state_v_first)[3]
     except (TypeError, ValueError) as exc:  # UnsupportedError is a ValueError
         return False, str(exc)
-    if _needs_grad(q, k, v, g, beta, initial_state):
-        return False, "flashqla_tune implements the forward only, and an input requires grad"
     arch = device_arch(q)
     if arch != (9, 0):
         where = "not on a CUDA GPU" if arch is None else f"on sm_{arch[0]}{arch[1]}"

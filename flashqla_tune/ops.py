@@ -8,7 +8,9 @@ disagrees with cu_seqlens is not detected (that would synchronise): the kernels 
 and the host copy only decides whether the context-parallel kernels may be skipped, so a wrong
 copy costs speed, never results or memory safety. The call is a
 torch.library custom op with a fake implementation, so torch.compile traces through it, and
-it is CUDA-graph capturable.
+its forward is CUDA-graph capturable. The op is differentiable w.r.t. q, k, v, g, beta and
+initial_state, with gradients for o and the final state (backward.autograd; double backward
+raises); a call that autograd records takes the custom op, which saves the inputs for it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from . import host_path, runtime, warmup_tables
+from .backward import autograd as gdn_autograd
 from .plan import KernelPlan
 from .segment_policy import MAX_SEQUENCES, MAX_TOKENS
 from .spec import GDNSpec
@@ -194,11 +197,9 @@ def check_scale(scale) -> None:
         raise ValueError(f"scale={scale!r} must be a finite number")
 
 
-def check_grad(*tensors):
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise NotImplementedError(
-            "flashqla_tune's GDN backward does not exist yet: call under torch.no_grad() or "
-            "detach the inputs (an autograd graph through this op could not be differentiated)")
+def needs_grad(*tensors) -> bool:
+    """True when autograd records this call: grad mode is on and an input requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def check_gpu(device):
@@ -249,6 +250,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     exactly. Without it, every head gets the default window (warmup_tables.DEFAULT_WINDOW_CHUNKS),
     still guarded; all -1 is exact chaining. Whether and where a sequence is cut depends only on its
     own length (the cost model's table), so short sequences and many-head calls run as one chain each.
+
+    Differentiable w.r.t. q, k, v, g, beta and initial_state, given the gradients of o and of the final
+    state (GVA: dq and dk sum over each q/k head's v-heads; use_qk_l2norm_in_kernel is differentiated
+    through the normalisation). The backward recomputes the chunk states from the saved inputs
+    (backward.autograd); double backward raises.
 
     With cu_seqlens, rows of o past cu_seqlens[-1] belong to no sequence and are left unwritten.
     scale must be finite, and cu_seqlens_cpu (when given) integer offsets. At K = V the two state
@@ -361,7 +367,6 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     longest_sequence_tokens' answer (0: unknown)."""
     B, T, Hqk = q.shape[:3]
     Hv = v.shape[2]
-    check_grad(q, k, v, g, beta, initial_state)
     check_scale(scale)
     check_gpu(q.device)
     if scale is None:
@@ -377,15 +382,16 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     args = (q, k, v, g, beta, cu, initial_state, float(scale), bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name, warmup, float(warmup_eps),
             int(longest_tokens))
-    o, final = (torch.ops.flashqla_tune.gdn_fwd if needs_custom_op(q) else gdn_fwd_impl)(*args)
+    differentiable = needs_grad(q, k, v, g, beta, initial_state)
+    o, final = (torch.ops.flashqla_tune.gdn_fwd if differentiable or needs_custom_op(q) else gdn_fwd_impl)(*args)
     return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
 
 
 def needs_custom_op(q: torch.Tensor) -> bool:
     """True while torch.compile / export trace or under fake tensors: they need the registered op and
-    its fake implementation. Eager calls skip the custom op's dispatch (its autograd wrapper and
-    dynamo-disable context cost tens of microseconds per call) and run the same implementation
-    directly; grad-requiring inputs were refused before, so nothing is lost."""
+    its fake implementation. Eager calls that autograd does not record skip the custom op's dispatch
+    (its autograd wrapper and dynamo-disable context cost tens of microseconds per call) and run the
+    same implementation directly; calls that need a gradient always take the op (run_checked)."""
     # A plain torch.Tensor is never fake: skip is_fake on the common eager path.
     return torch.compiler.is_compiling() or (type(q) is not torch.Tensor and is_fake(q))
 
@@ -414,3 +420,8 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, us
     shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
     final = q.new_empty(shape if output_final_state else (0,), dtype=torch.float32)
     return o, final
+
+
+# Differentiable: the forward saves its inputs, the backward recomputes the chunk states
+# (backward.autograd); double backward raises.
+_gdn_fwd_op.register_autograd(gdn_autograd.backward, setup_context=gdn_autograd.setup_context)

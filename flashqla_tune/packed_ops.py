@@ -140,7 +140,8 @@ class PackOps:
         """flashqla_tune.ops.chunk_gated_delta_rule on the pack's plan for this call's heads, with
         the op's arguments and options (ops.check_options refuses the same ones, by name) and
         layer (keyword only) in place of warmup/warmup_eps: the table and eps are the calibration's.
-        Returns (o [B,T,Hv,V], final_state fp32 or None)."""
+        Returns (o [B,T,Hv,V], final_state fp32 or None), differentiable as the op's are (autograd
+        through q, k, v, g, beta and initial_state, with gradients for o and the final state)."""
         if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
                 or chunk_indices is not None or cp_context is not None):
             ops.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,

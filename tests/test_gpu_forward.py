@@ -281,13 +281,6 @@ def test_q_k_v_off_a_16_byte_boundary_give_what_aligned_ones_give():
     torch.cuda.synchronize()
 
 
-def test_grad_enabled_input_is_refused():
-    inp = make_case(4, [64], 2, 8, torch.bfloat16, "mixed", False, False)
-    q = inp["q"].clone().requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward"):
-        ops.chunk_gated_delta_rule(q, inp["k"], inp["v"], inp["g"], inp["beta"], cu_seqlens=inp["cu_seqlens"])
-
-
 def test_torch_compile_traces_through_the_op():
     inp = make_case(5, [200], 2, 8, torch.bfloat16, "mixed", True, False)
 

@@ -1,0 +1,267 @@
+"""The chunk-parallel GDN backward in PyTorch (fp32 math by default), on any device.
+
+This is the algorithm the Hopper backward kernels implement, written with torch ops; until they
+exist it is the op's backward (flashqla_tune.ops registers it on the custom op). Per chunk of
+C = 64 tokens and v-head, with the forward of DESIGN.md "The math" written as
+
+    u  = T V,   w = T D K,   T = (Gamma * A0) diag(b)       (the WY factors)
+    Vn = u - w S                                             (the chunk's new values)
+    O  = scale (D Q S + P Vn),   P = Gamma * Q K^T
+    S' = e^{gamma_C} S + Kd^T Vn,   Kd = diag(e^{gamma_C - gamma}) K
+
+the backward
+
+  1. recomputes every chunk's incoming state S_c (one forward chain over the chunks; nothing
+     but the inputs is saved by the forward), then everything else that does not depend on the
+     state, batched over all chunks of all sequences and heads;
+  2. runs the state gradient backward over the chunks, dS_c = e^{gamma_C} dS_{c+1}
+     + (D Q)^T dO - w^T dVn with dVn = P^T dO + Kd dS_{c+1}: the transposed chunk transition
+     M_c^T applied to dS_{c+1}, plus the terms from the chunk's own outputs. It starts from the
+     final state's gradient (dht) and ends at the initial state's gradient (dh0);
+  3. with S_c and dS_{c+1} known for every chunk, computes dq, dk, dv, the gradients of the WY
+     factors (T, and through A0 = (I + L)^{-1}, L = strictly_lower(diag(b) K K^T), the gradient
+     -A0^T dA0 A0^T of I + L), dbeta, and the gate's gradient on the in-chunk cumulative gate,
+     whose reverse cumulative sum is dg -- batched over all chunks again.
+
+GVA: dq and dk are summed over each q/k head's v-heads; with use_qk_l2norm_in_kernel the
+gradients go back through x / sqrt(|x|^2 + eps). Like the PyTorch forward (measure/torch_chunked)
+it loops only over chunk positions, all sequences that still have a chunk there in lockstep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..oracle.chunked import CHUNK, decay_mask, gate_free_inverse
+from ..oracle.common import l2_normalize
+
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """Where each token of the sequences sits in the padded [num_chunks, CHUNK] layout, and which
+    chunks run at each chunk position. Tokens from cu_seqlens[-1] to T belong to no sequence."""
+    num_seqs: int
+    num_chunks: int
+    num_tokens: int           # cu_seqlens[-1]: the tokens that belong to a sequence
+    token_slot: torch.Tensor  # [num_tokens] slot (chunk * CHUNK + offset) of each token
+    slot_token: torch.Tensor  # [num_chunks * CHUNK] token of each slot, or num_tokens for a pad slot
+    steps: tuple              # per chunk position: (sequence indices, or None when all run; chunk indices)
+
+
+_GRIDS: dict = {}
+
+
+def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
+    """The grid of host offsets `bounds` (0 first, non-decreasing), cached per (offsets, device)."""
+    key = (bounds, str(device))
+    grid = _GRIDS.get(key)
+    if grid is not None:
+        return grid
+    if not bounds or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {list(bounds)}")
+    lens = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+    if any(n < 0 for n in lens):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(bounds)}")
+    nchunks = [(n + CHUNK - 1) // CHUNK for n in lens]
+    first = [sum(nchunks[:i]) for i in range(len(lens))]
+    total, tokens = sum(nchunks), bounds[-1]
+    token_slot = torch.empty(tokens, dtype=torch.int64)
+    slot_token = torch.full((total * CHUNK,), tokens, dtype=torch.int64)
+    for s, (start, n) in enumerate(zip(bounds[:-1], lens)):
+        slots = torch.arange(n) + first[s] * CHUNK
+        token_slot[start:start + n] = slots
+        slot_token[slots] = torch.arange(start, start + n)
+    steps = []
+    for j in range(max(nchunks, default=0)):
+        seqs = [s for s in range(len(lens)) if nchunks[s] > j]
+        chunks = torch.tensor([first[s] + j for s in seqs], dtype=torch.int64, device=device)
+        everyone = len(seqs) == len(lens)
+        steps.append((None if everyone else torch.tensor(seqs, dtype=torch.int64, device=device), chunks))
+    grid = ChunkGrid(len(lens), total, tokens, token_slot.to(device), slot_token.to(device), tuple(steps))
+    _GRIDS[key] = grid
+    return grid
+
+
+def to_chunks(x: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
+    """[T, H, D...] token rows -> [num_chunks, H, CHUNK, D...]; pad slots are zero (a zero k, v,
+    beta and g leave the state as it is, so tails need no masking)."""
+    rows = x[:grid.num_tokens]
+    padded = torch.cat([rows, rows.new_zeros((1,) + rows.shape[1:])])[grid.slot_token]
+    return padded.view(grid.num_chunks, CHUNK, *x.shape[1:]).transpose(1, 2)
+
+
+def from_chunks(xc: torch.Tensor, grid: ChunkGrid, total_tokens: int) -> torch.Tensor:
+    """[num_chunks, H, CHUNK, D...] -> [T, H, D...] token rows (pad slots dropped; rows that belong
+    to no sequence are zero)."""
+    H, rest = xc.shape[1], xc.shape[3:]
+    flat = xc.transpose(1, 2).reshape(grid.num_chunks * CHUNK, H, *rest)
+    out = xc.new_zeros((total_tokens, H, *rest))
+    out[:grid.num_tokens] = flat[grid.token_slot]
+    return out
+
+
+def l2_normalize_backward(x: torch.Tensor, grad: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The gradient w.r.t. x of l2_normalize(x) = x r, r = (|x|^2 + eps)^{-1/2}, given the
+    gradient w.r.t. its output: r (grad - x_n <x_n, grad>)."""
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+    xn = x * r
+    return r * (grad - xn * (xn * grad).sum(-1, keepdim=True))
+
+
+@dataclass
+class GDNGradients:
+    """The backward's results: dq, dk [B,T,Hqk,K] and dv [B,T,Hv,V] in the inputs' dtype, dbeta in
+    beta's, dg in fp32 (the compute dtype if wider), dh0 in the initial state's dtype and layout
+    (None without an initial state)."""
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dh0: torch.Tensor | None
+
+
+def _host_bounds(B, T, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...]:
+    if cu_seqlens is None:
+        return tuple(range(0, B * T + 1, T)) if T else (0,) * (B + 1)
+    if B != 1:
+        raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got {B}")
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()  # a sync without the host copy
+    bounds = tuple(int(x) for x in (host.tolist() if isinstance(host, torch.Tensor) else host))
+    if bounds[-1] > T:
+        raise ValueError(f"cu_seqlens ends at {bounds[-1]} but the inputs hold only T={T} tokens")
+    return bounds
+
+
+def chunk_gated_delta_rule_bwd_torch(
+    q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
+    state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, compute_dtype=torch.float32,
+) -> GDNGradients:
+    """Gradients of <o, do> + <final_state, dht> for the op's forward (same arguments, the
+    forward's o and final state never needed): q, k [B,T,Hqk,K], v and do [B,T,Hv,V], g and beta
+    [B,T,Hv], dht and initial_state [N,Hv,K,V] ([N,Hv,V,K] with state_v_first) or None. Computes
+    in compute_dtype (fp32; float64 makes it an exact check of the algorithm). Without
+    cu_seqlens_cpu a varlen call reads cu_seqlens on the host (one device sync)."""
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
+        raise ValueError(f"shapes q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} do not fit")
+    if g.shape != (B, T, Hv) or beta.shape != (B, T, Hv) or do.shape != v.shape:
+        raise ValueError(f"g {tuple(g.shape)}, beta {tuple(beta.shape)} must be {(B, T, Hv)} and do "
+                         f"{tuple(do.shape)} must be v's {tuple(v.shape)}")
+    grid = chunk_grid(_host_bounds(B, T, cu_seqlens, cu_seqlens_cpu), v.device)
+    N, NC = grid.num_seqs, grid.num_chunks
+    state_shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+    for name, state in (("initial_state", initial_state), ("dht", dht)):
+        if state is not None and tuple(state.shape) != state_shape:
+            raise ValueError(f"{name} shape {tuple(state.shape)}, expected {state_shape}")
+    scale = K ** -0.5 if scale is None else float(scale)
+    dt, dev = compute_dtype, v.device
+    group = Hv // Hqk
+
+    def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
+        return x.reshape(B * T, *x.shape[2:]).to(dt)
+
+    def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
+        x = x.to(dt)
+        return (x.transpose(-1, -2) if state_v_first else x).contiguous()
+
+    q_raw, k_raw = flat(q), flat(k)
+    qf, kf = (l2_normalize(q_raw), l2_normalize(k_raw)) if use_qk_l2norm_in_kernel else (q_raw, k_raw)
+    qc = to_chunks(qf, grid).repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
+    kc = to_chunks(kf, grid).repeat_interleave(group, dim=1)
+    vc = to_chunks(flat(v), grid)                              # [NC, Hv, C, V]
+    bc = to_chunks(flat(beta), grid)                           # [NC, Hv, C]
+    dOs = scale * to_chunks(flat(do), grid)                    # scale folded into dO
+
+    # State-independent forward pieces, batched over every chunk.
+    gamma = to_chunks(flat(g), grid).cumsum(-1)
+    gamma_last = gamma[..., -1]
+    Gamma = decay_mask(gamma)                                  # [NC, Hv, C, C]
+    A0 = gate_free_inverse(kc, bc)
+    A = Gamma * A0
+    Tm = A * bc[..., None, :]
+    d = gamma.exp()[..., None]                                 # D as a column [NC, Hv, C, 1]
+    f = (gamma_last[..., None] - gamma).exp()[..., None]       # e^{gamma_C - gamma}
+    decay = gamma_last.exp()[..., None, None]                  # e^{gamma_C}
+    Kdd = d * kc
+    u, w = Tm @ vc, Tm @ Kdd
+    Qd, Kd = d * qc, f * kc
+    QK = qc @ kc.transpose(-1, -2)
+    P = Gamma * QK
+
+    # 1. Recompute each chunk's incoming state (forward chain over chunk positions).
+    S = torch.zeros(N, Hv, K, V, dtype=dt, device=dev) if initial_state is None else kv_state(initial_state)
+    h = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
+    for seqs, chunks in grid.steps:
+        S_in = S if seqs is None else S.index_select(0, seqs)
+        h.index_copy_(0, chunks, S_in)
+        V_new = u.index_select(0, chunks) - w.index_select(0, chunks) @ S_in
+        S_out = decay.index_select(0, chunks) * S_in + Kd.index_select(0, chunks).transpose(-1, -2) @ V_new
+        if seqs is None:
+            S = S_out
+        else:
+            S = S.index_copy(0, seqs, S_out)
+    Vn = u - w @ h
+
+    # 2. The state gradient backward over chunk positions: dS_c = M_c^T dS_{c+1} + own-output terms.
+    PtdO = P.transpose(-1, -2) @ dOs
+    QdtdO = Qd.transpose(-1, -2) @ dOs
+    dS = torch.zeros(N, Hv, K, V, dtype=dt, device=dev) if dht is None else kv_state(dht).clone()  # never dht itself
+    dh_out = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)  # gradient of the state leaving each chunk
+    for seqs, chunks in reversed(grid.steps):
+        dS_out = dS if seqs is None else dS.index_select(0, seqs)
+        dh_out.index_copy_(0, chunks, dS_out)
+        dV_new = PtdO.index_select(0, chunks) + Kd.index_select(0, chunks) @ dS_out
+        dS_in = (QdtdO.index_select(0, chunks) - w.index_select(0, chunks).transpose(-1, -2) @ dV_new
+                 + decay.index_select(0, chunks) * dS_out)
+        if seqs is None:
+            dS = dS_in
+        else:
+            dS = dS.index_copy(0, seqs, dS_in)
+    dVn = PtdO + Kd @ dh_out
+
+    # 3. Per-chunk gradients, batched over every chunk.
+    hT = h.transpose(-1, -2)
+    dQd = dOs @ hT                                             # [NC, Hv, C, K]
+    dP = dOs @ Vn.transpose(-1, -2)                            # [NC, Hv, C, C]
+    dKd = Vn @ dh_out.transpose(-1, -2)                        # [NC, Hv, C, K]
+    dw = -(dVn @ hT)
+    ddecay = (dh_out * h).sum((-2, -1))                        # [NC, Hv]
+    dTm = dVn @ vc.transpose(-1, -2) + dw @ Kdd.transpose(-1, -2)
+    dvc = Tm.transpose(-1, -2) @ dVn
+    dKdd = Tm.transpose(-1, -2) @ dw
+    dA = dTm * bc[..., None, :]
+    dbc = (dTm * A).sum(-2)
+    A0t = A0.transpose(-1, -2)
+    dL = torch.tril(-(A0t @ (dA * Gamma) @ A0t), diagonal=-1)  # through the inverse, strictly lower part
+    KK = kc @ kc.transpose(-1, -2)
+    dbc = dbc + (dL * KK).sum(-1)
+    dQK = dP * Gamma
+    dqc = dQK @ kc + d * dQd
+    dkc = (bc[..., None] * (dL @ kc) + dL.transpose(-1, -2) @ (bc[..., None] * kc)
+           + dQK.transpose(-1, -2) @ qc + d * dKdd + f * dKd)
+    # the gate, first w.r.t. the in-chunk cumulative gate gamma
+    E = (dA * A0 + dP * QK) * Gamma                            # through Gamma_ij = e^{gamma_i - gamma_j}
+    df = f[..., 0] * (dKd * kc).sum(-1)
+    dgamma = (d[..., 0] * ((dQd * qc).sum(-1) + (dKdd * kc).sum(-1)) + E.sum(-1) - E.sum(-2) - df)
+    dgamma[..., -1] += df.sum(-1) + decay[..., 0, 0] * ddecay  # gamma_C: the chunk's last slot (pads carry g = 0)
+    dgc = dgamma.flip(-1).cumsum(-1).flip(-1)                  # the reverse cumulative sum: d/dg
+
+    def tokens(xc, heads_summed=False):
+        if heads_summed:  # v-heads -> their q/k head
+            xc = xc.view(NC, Hqk, group, *xc.shape[2:]).sum(2)
+        return from_chunks(xc, grid, B * T)
+
+    dqf, dkf = tokens(dqc, True), tokens(dkc, True)
+    if use_qk_l2norm_in_kernel:
+        dqf, dkf = l2_normalize_backward(q_raw, dqf), l2_normalize_backward(k_raw, dkf)
+    dh0 = None
+    if initial_state is not None:
+        dh0 = (dS.transpose(-1, -2) if state_v_first else dS).contiguous().to(initial_state.dtype)
+    return GDNGradients(
+        dq=dqf.view(B, T, Hqk, K).to(q.dtype), dk=dkf.view(B, T, Hqk, K).to(k.dtype),
+        dv=tokens(dvc).view(B, T, Hv, V).to(v.dtype),
+        dg=tokens(dgc).view(B, T, Hv).to(torch.promote_types(dt, torch.float32)),
+        dbeta=tokens(dbc).view(B, T, Hv).to(beta.dtype), dh0=dh0)
