@@ -206,7 +206,9 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
     (default host_path.build_into; injectable for tests). settings (CalibrationSettings), corpus,
     seq_len, max_sequences, batch_size, device and offload are the calibration's; calibration
     names a finished artifact to use instead (it must be this checkpoint's). qkv_dtype and
-    state_layout replace the checkpoint's in the pack's spec (e.g. "vk" for v-first state pools).
+    state_layout replace the checkpoint's in the pack's spec (e.g. "vk" for v-first state pools); the
+    checkpoint's state layout is the one its family's GDN layer calls with (model_config: vk for
+    FLA's layer, kv for transformers' layers).
     rehash=True hashes every checkpoint file's content again (a tuned build always does)."""
     log = log or _stderr_log
     out = Path(out)

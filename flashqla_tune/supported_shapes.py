@@ -60,7 +60,7 @@ def head_dims_problem(head_k_dim: int, head_v_dim: int) -> str | None:
     if head_k_dim in t.head_k_dims and head_v_dim in t.head_v_dims:
         return None
     return (f"unsupported head dims K={head_k_dim}, V={head_v_dim}: {t.what} support K = {_listed(t.head_k_dims)} "
-            f"and V = {_listed(t.head_v_dims)}")
+            f"and V = {_listed(t.head_v_dims)}; kernels for K={head_k_dim}, V={head_v_dim} are not built yet")
 
 
 def is_count(value) -> bool:

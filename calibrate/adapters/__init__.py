@@ -1,6 +1,8 @@
-"""Adapter registry: one module per GDN family, keyed by ModelGDNConfig.family.
+"""Adapter registry: one module per GDN family, keyed by ModelGDNConfig.family (the name of the
+family's record in model_config's registry).
 
-Porting a new GDN variant means writing one adapter module and adding a line here.
+Porting a new GDN variant means registering its family in model_config, writing one adapter module
+and adding a line here (docs/porting.md).
 Modules are imported on first use so that reading the registry costs no model code.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ ADAPTERS = {
     "qwen3_next": "qwen3_next:Qwen3NextAdapter",
     "qwen3_5": "qwen3_5:Qwen35Adapter",
     "fla_gated_deltanet": "fla_gdn:FLAGatedDeltaNetAdapter",
+    "olmo_hybrid": "olmo_hybrid:OlmoHybridAdapter",
 }
 
 

@@ -1,4 +1,5 @@
-"""Shared runner for the Qwen GDN families through transformers' own decoder-layer code.
+"""Shared runner for the GDN families transformers implements (Qwen3-Next, Qwen3.5, OLMo-Hybrid)
+through transformers' own decoder-layer code.
 
 Each decoder layer is built on the meta device and filled with just its own tensors from the
 safetensors files, so only one layer's weights are ever resident. The gate is read from the
@@ -46,7 +47,7 @@ class TransformersQwenAdapter(GDNAdapter):
             raise CalibrationError(f"checkpoint {self.checkpoint} has no '*embed_tokens.weight' tensor")
         self.embed_name = embed
         self.prefix = embed[: -len("embed_tokens.weight")]   # e.g. 'model.' or 'model.language_model.'
-        self.rotary = getattr(self.modeling, self.rotary_cls)(config=self.config).to(self.device)
+        self.rotary = self.make_rotary()
         self._embed_weight = None
 
     # --- what a family module fills in -------------------------------------------------
@@ -63,6 +64,18 @@ class TransformersQwenAdapter(GDNAdapter):
     def rotary_positions(self, pos: torch.Tensor) -> torch.Tensor:
         """Position ids in the shape the family's rotary embedding takes."""
         return pos
+
+    def make_rotary(self):
+        """The family's rotary embedding module, on self.device."""
+        return getattr(self.modeling, self.rotary_cls)(config=self.config).to(self.device)
+
+    def position_embeddings(self, hidden: torch.Tensor, pos: torch.Tensor, is_gdn: bool):
+        """What decoder layer's forward takes as position_embeddings."""
+        return self.rotary(hidden, self.rotary_positions(pos))
+
+    def decoder_layer_name(self, index: int) -> str:
+        """The class of decoder layer `index` in self.modeling."""
+        return self.decoder_layer_cls
 
     # --- checks -------------------------------------------------------------------------
     def check(self) -> None:
@@ -90,7 +103,7 @@ class TransformersQwenAdapter(GDNAdapter):
         for name in list(sd):
             if name.split(".")[-1] in FP32_PARAMS:
                 sd[name] = sd[name].float()
-        sd = self._fuse_experts(sd, layer)
+        sd = self.to_module_names(sd, layer)
         want = layer.state_dict()
         missing = sorted(set(want) - set(sd))
         if missing:
@@ -102,6 +115,11 @@ class TransformersQwenAdapter(GDNAdapter):
                 raise CalibrationError(f"tensor {self.prefix}layers.{index}.{name} has shape "
                                        f"{tuple(sd[name].shape)}, the config implies {tuple(t.shape)}")
         return {k: sd[k] for k in want}
+
+    def to_module_names(self, sd: dict, layer) -> dict:
+        """One decoder layer's checkpoint tensors (names relative to the layer) -> the tensors its
+        module's state_dict holds, as transformers converts them when it loads the checkpoint."""
+        return self._fuse_experts(sd, layer)
 
     @staticmethod
     def _fuse_experts(sd: dict, layer) -> dict:
@@ -133,7 +151,7 @@ class TransformersQwenAdapter(GDNAdapter):
     def load_layer(self, index: int):
         with pinned_torch_path(self.modeling):
             with torch.device("meta"):
-                layer = getattr(self.modeling, self.decoder_layer_cls)(self.config, index)
+                layer = getattr(self.modeling, self.decoder_layer_name(index))(self.config, index)
             check_torch_only(layer, self.modeling, f"decoder layer {index}")
         layer.load_state_dict(self._layer_state(index, layer), strict=True, assign=True)
         layer.eval()
@@ -153,7 +171,7 @@ class TransformersQwenAdapter(GDNAdapter):
             B, T = hidden.shape[:2]
             pos = torch.arange(T, device=hidden.device)[None].expand(B, T)
             with pinned_torch_path(self.modeling):
-                out = layer(hidden, position_embeddings=self.rotary(hidden, self.rotary_positions(pos)),
+                out = layer(hidden, position_embeddings=self.position_embeddings(hidden, pos, is_gdn),
                             attention_mask=None if is_gdn else self._mask(hidden, pos), position_ids=pos)
             out = out[0] if isinstance(out, tuple) else out
             if is_gdn and len(captured) != 1:

@@ -14,7 +14,9 @@ def add_kernel_form_arguments(p) -> None:
     p.add_argument("--dtype", choices=SUPPORTED.qkv_dtypes,
                    help=f"q/k/v dtype (default: the checkpoint's, else {DEFAULT_DTYPE})")
     p.add_argument("--state-layout", choices=SUPPORTED.state_layouts,
-                   help=f"kv: [N,Hv,K,V]; vk: [N,Hv,V,K], state_v_first (default {DEFAULT_STATE_LAYOUT})")
+                   help=f"kv: [N,Hv,K,V]; vk: [N,Hv,V,K], state_v_first (default: the layout the checkpoint "
+                        f"family's GDN layer calls with, vk for FLA's layer and kv for transformers'; "
+                        f"{DEFAULT_STATE_LAYOUT} without a checkpoint)")
 
 
 def add_spec_arguments(p, l2norm_help: str = "normalise q and k in the kernel") -> None:

@@ -56,7 +56,8 @@ def _environment_and_model(path, model, as_json: bool) -> int:
         if model is not None:
             out["model"] = {"family": model.family, "model_type": model.model_type,
                             "num_layers": model.num_layers, "gdn_layers": list(model.gdn_layers),
-                            "spec": model.spec.to_dict(), "spec_name": model.spec.name}
+                            "spec": model.spec.to_dict(), "spec_name": model.spec.name,
+                            "layer_call": _layer_call(model)}
         print(json.dumps(out, indent=2))
         return 0
     gpu = env["gpu"]
@@ -75,11 +76,24 @@ def _environment_and_model(path, model, as_json: bool) -> int:
         print(f"  spec {s.name}: Hqk={s.num_qk_heads} Hv={s.num_v_heads} K={s.head_k_dim} V={s.head_v_dim} "
               f"C={s.chunk_size} gate={s.gate_kind} qkv={s.qkv_dtype} state={s.state_layout} "
               f"beta<={s.beta_max} l2norm_in_kernel={s.qk_l2norm_in_kernel}")
+        print(f"  layer call: {_layer_call(model)}")
         print("  layer  kind    spec")
         gdn = set(model.gdn_layers)
         for i in range(model.num_layers):
             print(f"  {i:5d}  {'GDN ' if i in gdn else 'attn'}    {s.name if i in gdn else '-'}")
     return 0
+
+
+def _layer_call(model) -> str:
+    """How the family's GDN layer calls the kernel (model_config's family record); the spec's state
+    layout is the one that call holds its state in."""
+    from ..model_config import family_named
+
+    return family_named(model.family).layer_call()
+
+
+def state_layout_text(layout: str) -> str:
+    return f"{layout} ([N,Hv,V,K], state_v_first=True)" if layout == "vk" else f"{layout} ([N,Hv,K,V])"
 
 
 def describe_pack(path: Path) -> dict:
@@ -122,7 +136,7 @@ def _pack(path: Path, as_json: bool) -> int:
                            f"{gpu.get('driver', '?')}), tuned there" if m.tuned
                            else "any sm_90 GPU (default tiles, untuned)"))
     print(f"  model    {s.name}: Hqk={s.num_qk_heads} Hv={s.num_v_heads} K={s.head_k_dim} V={s.head_v_dim} "
-          f"qkv={s.qkv_dtype} state={s.state_layout}, {m.num_gdn_layers} GDN layers")
+          f"qkv={s.qkv_dtype} state={state_layout_text(s.state_layout)}, {m.num_gdn_layers} GDN layers")
     print(f"  checkpoint {m.checkpoint_sha256[:16]} ({m.checkpoint_path})")
     print(f"  toolchain nvcc {m.toolchain.get('nvcc')}, CUTLASS {m.toolchain.get('cutlass')}, "
           f"torch {m.toolchain.get('torch')}")

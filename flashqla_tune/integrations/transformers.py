@@ -22,12 +22,13 @@ a call from a routed layer runs `pack.chunk_gated_delta_rule(..., layer=i)`, i b
 index (0..num_gdn-1) that the pack's calibration records for the layer's decoder index
 (`decoder_layer` in the artifact; in the shipped model decoder layer 4 is GDN layer 3); any other
 call (another model of the family, a layer of this one after the route is closed) runs what
-transformers chose. A route is refused, by what is wrong, for a family not registered here
-(`register_family`), a pack built for another checkpoint (checkpoint sha256 against the pack
-manifest's) or for other GDN layers. A call with an argument the route cannot honour is refused by
-the argument's name: chunk_size other than 64, seq_idx without cu_seqlens, and FLA's options the
-op refuses (flashqla_tune.ops.check_options); the model's keyword plumbing is dropped, as
-transformers drops it for every implementation it may choose.
+transformers chose. The families routed are those of model_config's registry whose layers call
+transformers' chunk function (GDNFamily.transformers_layers), plus any `register_family` adds. A
+route is refused, by what is wrong, for a family not registered, a pack built for another
+checkpoint (checkpoint sha256 against the pack manifest's) or for other GDN layers. A call with an
+argument the route cannot honour is refused by the argument's name: chunk_size other than 64,
+seq_idx without cu_seqlens, and FLA's options the op refuses (flashqla_tune.ops.check_options); the
+model's keyword plumbing is dropped, as transformers drops it for every implementation it may choose.
 
 Models of FLA's own layout (`gated_deltanet`, FLA's layers) call FLA's op, not transformers':
 they keep the FLA backend, `flashqla_tune.register_fla_backend(PACK)` (flashqla_tune.fla_backend).
@@ -45,6 +46,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..model_config import families as model_families
 from ..pack import PackError
 
 CHUNK_FUNCTION = "torch_chunk_gated_delta_rule"
@@ -62,17 +64,22 @@ class Family:
     function: str = CHUNK_FUNCTION    # the module-level name the layer's forward calls for chunked prefill
 
 
-_QWEN3_NEXT = Family("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet")
-_QWEN3_5 = Family("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet")
-_QWEN3_5_MOE = Family("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet")
+def _registered_families() -> dict[str, Family]:
+    """model_type -> its family's code, for every family of model_config's registry whose GDN layer
+    calls transformers' chunk function (GDNFamily.transformers_layers)."""
+    return {model_type: Family(modeling, layer_class)
+            for fam in model_families() if fam.calls == "transformers"
+            for model_type, (modeling, layer_class) in fam.transformers_layers.items()}
 
-# model_type (config.model_type of the model handed to use_pack) -> its family's code
-FAMILIES: dict[str, Family] = {
-    "qwen3_next": _QWEN3_NEXT,
-    "qwen3_5": _QWEN3_5, "qwen3_5_text": _QWEN3_5,
-    "qwen3_5_moe": _QWEN3_5_MOE, "qwen3_5_moe_text": _QWEN3_5_MOE,
-}
-_FLA_LAYOUT_TYPES = ("gated_deltanet",)
+
+def _fla_layout_types() -> tuple[str, ...]:
+    """The model types whose GDN layers call FLA's op (FLA's own layout)."""
+    return tuple(t for fam in model_families() if fam.calls == "fla" for t in fam.model_types)
+
+
+# model_type (config.model_type of the model handed to use_pack) -> its family's code: the registry's
+# families as this module is imported, and any register_family adds.
+FAMILIES: dict[str, Family] = _registered_families()
 
 
 def register_family(model_type: str, modeling: str, layer_class: str, function: str = CHUNK_FUNCTION) -> None:
@@ -299,7 +306,7 @@ def _family_of(model) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type in FAMILIES:
         return FAMILIES[model_type]
-    if model_type in _FLA_LAYOUT_TYPES:
+    if model_type in _fla_layout_types():
         raise RouteError(f"model_type={model_type!r} is FLA's own layout: its layers call FLA's op, not "
                          f"transformers'; use flashqla_tune.register_fla_backend(PACK) for it")
     raise RouteError(f"model_type={model_type!r} is not a family the transformers route knows (registered: "
@@ -363,8 +370,9 @@ def use_pack(model, pack, *, checkpoint=None, tp_rank: int = 0, tp_size: int = 1
     """Route `model`'s GDN chunked prefill onto a kernel pack; returns an open PackRoute (close() it
     or use it as a context manager to undo).
 
-    model: a transformers model of a registered family (FAMILIES: Qwen3-Next, Qwen3.5 and its MoE,
-    dense or text-only), on an sm_90 GPU in bf16 or fp16 when it runs. pack: what
+    model: a transformers model of a registered family (FAMILIES, from model_config's registry:
+    Qwen3-Next, Qwen3.5 and its MoE, dense or text-only, and OLMo-Hybrid), on an sm_90 GPU in bf16 or
+    fp16 when it runs. pack: what
     `flashqla_tune.load(PACK)` returns, or a pack folder (loaded with tp_rank/tp_size).
     checkpoint: the checkpoint folder of the model's weights (default: model.name_or_path); its
     sha256 must be the one the pack was built for. Each routed call runs
