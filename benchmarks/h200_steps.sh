@@ -12,9 +12,19 @@
 #                                              on GPU 0: $OUT/scoreboard-gpu0.tar.gz
 #   bash benchmarks/h200_steps.sh pair-score   both halves at once on nvidia-h200-x2:
 #                                              $OUT/scoreboard-gpu0.tar.gz and scoreboard-gpu1.tar.gz
-#   bash benchmarks/h200_steps.sh join DIR HALF.tar.gz HALF.tar.gz   (here, no GPU) the two halves
-#                                              unpacked into DIR and joined into DIR/scoreboard.{md,json}
-#                                              (published: docs/results/scoreboard.md, scoreboard-half-*.json)
+#   bash benchmarks/h200_steps.sh join DIR PART.tar.gz PART.tar.gz...   (here, no GPU) two or more
+#                                              halves or parts unpacked into DIR and joined into
+#                                              DIR/scoreboard.{md,json} (published: docs/results/scoreboard.md,
+#                                              scoreboard-half-*.json)
+#   bash benchmarks/h200_steps.sh flashinfer-stage   (carry one .whl-fi-* part instead, e.g. [".whl-fi-a"], then
+#                                              [".whl-fi-b"] in the next call) stages the FlashInfer bundle's
+#                                              part in /tmp (it stays while the machine is warm) and installs
+#                                              the bundle once every part is there
+#   bash benchmarks/h200_steps.sh flashinfer-rows ROWS [BENCH ARGS]   (after flashinfer-stage, same warm
+#                                              machine) the scoreboard rows of the row set ROWS (protocol,
+#                                              users, all; --heads / --seqlens pick a part) with FlashInfer and
+#                                              cuDNN beside ours, FLA and FlashQLA, accuracy on rows of at most
+#                                              8192 tokens: $OUT/scoreboard-fi-ROWS.tar.gz (joinable by join)
 #   bash benchmarks/h200_steps.sh host         eager host time: tools/host_overhead.py, then
 #                                              benchmarks/host_queue_probe.py (published:
 #                                              docs/results/host-queue-probe.json); needs a quiet machine
@@ -30,18 +40,18 @@ OUT=${OUT:-/tmp/steps_out}
 mkdir -p "$OUT"
 STEP=${1:-tests}
 case "$STEP" in
-  setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split) ;;
+  setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split|flashinfer-stage|flashinfer-rows) ;;
   *) echo "unknown step '$STEP' (setup | tests | tests-x2 | gpu-tests | half | pair-score | join | host |" \
-       "host-ab | kernel-split)" >&2
+       "host-ab | kernel-split | flashinfer-stage | flashinfer-rows)" >&2
      exit 2 ;;
 esac
 
 if [ "$STEP" = join ]; then
   # Runs where the halves came back: no device set-up, no GPU (the join reads JSON alone).
-  [ $# -eq 4 ] || { echo "join takes DIR HALF.tar.gz HALF.tar.gz" >&2; exit 2; }
-  # Each half unpacks into DIR/<archive name>/ and stays there beside the joined table.
+  [ $# -ge 4 ] || { echo "join takes DIR PART.tar.gz PART.tar.gz..." >&2; exit 2; }
+  # Each part unpacks into DIR/<archive name>/ and stays there beside the joined table.
   dest=$2 joins=()
-  for archive in "$3" "$4"; do
+  for archive in "${@:3}"; do
     part="$dest/$(basename "$archive" .tar.gz)"
     mkdir -p "$part" && tar -C "$part" -xzf "$archive" || exit 1
     json=$(ls "$part"/gpu*/scoreboard.json 2>/dev/null | head -n 1)
@@ -52,6 +62,10 @@ if [ "$STEP" = join ]; then
 fi
 
 source tools/device_setup.sh
+if [ "$STEP" = flashinfer-stage ]; then  # copies and unpacks only: no install of the checkout, no GPU
+  device_fi_stage
+  exit $?
+fi
 # .whl-bench (no optuna storage wheels) keeps [wheels, .anchors] under the 64 MiB a call carries
 device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
 export FLA_DISABLE_BACKEND_DISPATCH=1
@@ -146,6 +160,23 @@ case "$STEP" in
     FQT_BASE_CSRC=.carry/base-csrc timeout 200 python3 -P benchmarks/host_launch_ab.py "$OUT" > "$OUT/host_launch_ab.log" 2>&1
     tail -n 1 "$OUT/host_launch_ab.log" | cut -c1-900
     host_step ;;
+  flashinfer-rows)
+    # The peers' columns beside our default and calibrated ones; FlashInfer compiles its CuTe-DSL
+    # kernels in its first row's warm-up (not prewarmed). One GPU's share in OUT/gpu0, as a half's.
+    case "${2:-}" in
+      protocol|users|all) rows=$2 ;;
+      *) echo "flashinfer-rows takes a row set (protocol, users, all), not '${2:-}'" >&2; exit 2 ;;
+    esac
+    device_fi_env || exit 1
+    mkdir -p "$OUT/gpu0"
+    CUDA_VISIBLE_DEVICES=0 OUT="$OUT/gpu0" timeout "${SCORE_TIMEOUT_S:-540}" bash benchmarks/h200_scoreboard.sh \
+      --rows "$rows" --impl flashqla_tune --impl flashqla_tune_warmup --impl fla --impl flashqla --impl flashinfer \
+      --impl cudnn "${@:3}" --sample-budget-s 0.05 --budget-s "${SCORE_BUDGET_S:-450}" --prewarm \
+      > "$OUT/gpu0/scoreboard_run.log" 2>&1
+    echo "flashinfer-rows rc=$?"
+    grep -E "skipping|^- implementations" "$OUT/gpu0/scoreboard_run.log" | cut -c1-900
+    grep -A16 "^Summary, graph" "$OUT/gpu0/scoreboard.md" | grep -E "flashinfer|best peer"
+    tar -C "$OUT" -czf "$OUT/scoreboard-fi-$rows.tar.gz" gpu0 && rm -rf "${OUT:?}/gpu0" ;;
   kernel-split)
     timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P benchmarks/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
     echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;

@@ -1,6 +1,6 @@
 """The scoreboard's outputs: one JSON with everything, and a markdown table a person reads (per
-mode, each implementation's median ms, the ratios against FLA and FlashQLA, and against the
-floor; then accuracy)."""
+mode, each implementation's median ms, the ratios against the peers that ran (FLA, FlashQLA,
+FlashInfer, cuDNN), and against the floor; then accuracy)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..measure.cases import HEAD_LABELS
 
-ANCHORS = ("fla", "flashqla")
+ANCHORS = ("fla", "flashqla", "flashinfer", "cudnn")  # the peers; a column only where measured
+BEST_PEER = "best peer"
 MODES = (("graph", "CUDA-graph replay (kernel time)"), ("eager", "eager (host overhead included)"))
 MODES_KEYS = tuple(m for m, _ in MODES)
 
@@ -76,14 +77,21 @@ def mode_table(results: dict, mode: str) -> list[str]:
 def summary_table(results: dict, mode: str) -> list[str]:
     """Each of our columns against each anchor over the rows both measured: the geometric mean of
     the time ratio, how many rows are faster, and the worst row (the issues' targets read off
-    this: faster than FLA on every row; 1.2x FlashQLA in geomean with no row slower)."""
+    this: faster than FLA on every row; 1.2x FlashQLA in geomean with no row slower). With two or
+    more peers measured, also against the best peer: per row the fastest of them."""
     impls = measured(results)
     anchors = [a for a in ANCHORS if a in impls]
     ours = [i for i in impls if i.startswith("flashqla_tune")]
+
+    def peer_time(row, anchor):
+        if anchor != BEST_PEER:
+            return _time(row, anchor, mode)
+        times = [t for a in anchors if (t := _time(row, a, mode)) is not None and t > 0]
+        return min(times) if times else None
     lines = []
     for impl in ours:
-        for anchor in anchors:
-            pairs = [(row, _time(row, impl, mode), _time(row, anchor, mode)) for row in results["rows"]]
+        for anchor in anchors + ([BEST_PEER] if len(anchors) > 1 else []):
+            pairs = [(row, _time(row, impl, mode), peer_time(row, anchor)) for row in results["rows"]]
             pairs = [(row, t, a) for row, t, a in pairs if t is not None and a is not None and a > 0 and t > 0]
             if not pairs:
                 continue

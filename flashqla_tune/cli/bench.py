@@ -1,8 +1,11 @@
-"""flashqla-tune bench: the scoreboard (DESIGN.md, "Benchmark protocol") against FLA, FlashQLA
-and a plain PyTorch baseline; writes a markdown table and a JSON file."""
+"""flashqla-tune bench: the scoreboard (DESIGN.md, "Benchmark protocol") against FLA, FlashQLA,
+FlashInfer, cuDNN (listed with the reason where it does not run) and a plain PyTorch baseline;
+writes a markdown table and a JSON file."""
 from __future__ import annotations
 
 import argparse
+
+from ..measure.cases import ROW_SETS
 
 
 def add_parser(sub):
@@ -10,11 +13,18 @@ def add_parser(sub):
                        description=" ".join(__doc__.split()))
     p.add_argument("--impl", action="append", metavar="NAME",
                    help="implementation to time (repeatable; default: every one that imports): fla, "
-                        "flashqla, torch, flashqla_tune (the op's default: guarded default window), "
+                        "flashqla, flashinfer (FlashInfer's GDN prefill as vLLM calls it), cudnn (cuDNN "
+                        "frontend's GDN; skipped with cuDNN's reason where no engine serves the GPU), torch, "
+                        "flashqla_tune (the op's default: guarded default window), "
                         "flashqla_tune_single_chain (no context parallelism), flashqla_tune_warmup (context "
                         "parallel, calibrated warm-up), flashqla_tune_exact_cp (context parallel, warmup all -1)")
     p.add_argument("--heads", action="append", metavar="HQK/HV", help="head configuration (repeatable), e.g. 16/64")
     p.add_argument("--seqlens", action="append", metavar="MIX", help="length mix (repeatable), e.g. 1x32768, 28672+4096")
+    p.add_argument("--rows", choices=ROW_SETS, default="protocol",
+                   help="row set: protocol (the default: the protocol's 8 head configurations x 10 length "
+                        "mixes, the tuner's mix), all (with the users' head configurations 2/4, 4/8, 16/128, "
+                        "32/32 and the scoreboard-only lengths 1x65536, 1x131072), users (the rows of all that "
+                        "protocol lacks); --heads and --seqlens replace the set's lists")
     p.add_argument("--quick", action="store_true", help="a quick subset: 2/8 and 16/64 on 1x2048, 1x32768, 1024+7168")
     p.add_argument("--out", metavar="DIR", help="folder for scoreboard.md and scoreboard.json")
     p.add_argument("--stem", default="scoreboard", help="output file name stem (default: scoreboard)")
@@ -52,7 +62,7 @@ def run(args) -> int:
     modes = tuple(m for m, on in (("graph", args.graph), ("eager", args.eager)) if on)
     if not modes:
         raise ValueError("both --no-graph and --no-eager given: nothing to time")
-    cases = select_cases(args.heads, args.seqlens, args.quick)
+    cases = select_cases(args.heads, args.seqlens, args.quick, args.rows)
     if not torch.cuda.is_available():
         raise RuntimeError("flashqla-tune bench needs a CUDA GPU (torch.cuda.is_available() is False)")
     impls, skipped = load_impls(args.impl)

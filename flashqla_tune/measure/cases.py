@@ -9,15 +9,28 @@ from dataclasses import dataclass
 HEAD_CONFIGS: tuple[tuple[int, int], ...] = (
     (2, 8), (4, 16), (8, 32), (16, 64), (16, 32), (8, 24), (16, 48), (16, 16),
 )
+# Users' shapes beside the protocol's (DESIGN.md): Qwen3-Next-80B at TP 8 and 4, the widest
+# published Qwen GDN configuration, and 32/32. Scoreboard rows only: the tuner's mix is the
+# protocol's grid.
+USER_HEAD_CONFIGS: tuple[tuple[int, int], ...] = ((2, 4), (4, 8), (16, 128), (32, 32))
 HEAD_LABELS = {
     (2, 8): "397B TP8", (4, 16): "397B TP4", (8, 32): "397B TP2", (16, 64): "397B TP1",
     (16, 32): "35B/9B/4B TP1", (8, 24): "27B TP2", (16, 48): "27B TP1", (16, 16): "2B/0.8B TP1",
+    (2, 4): "80B TP8", (4, 8): "80B TP4", (16, 128): "widest Qwen GDN",
 }
 # Sequence-length mixes; each is one varlen batch (B = 1 with cu_seqlens).
 SEQLENS: tuple[tuple[int, ...], ...] = (
     (32768,), (8192,), (2048,), (28672, 4096), (16384, 16384), (4096, 28672),
     (12288, 4096), (1024, 7168), (8192,) * 4, (1024,) * 8,
 )
+# Scoreboard-only lengths: single sequences longer than the tuner's mix.
+LONG_SEQLENS: tuple[tuple[int, ...], ...] = ((65536,), (131072,))
+# Row sets (bench --rows): each a grid of head configurations x length mixes.
+#   protocol  the protocol's grid (the default scoreboard, and the tuner's mix)
+#   all       every head configuration (the protocol's and the users') x every mix (the ten and
+#             the scoreboard-only ones)
+#   users     the rows of "all" that "protocol" does not have, so the two runs join into "all"
+ROW_SETS = ("protocol", "users", "all")
 # The quick subset: a small, a long and a ragged mix on the smallest and largest configs.
 QUICK_HEADS = ((2, 8), (16, 64))
 QUICK_SEQLENS = ((2048,), (32768,), (1024, 7168))
@@ -91,14 +104,24 @@ def all_cases() -> list[Case]:
     return [Case(hq, hv, s) for hq, hv in HEAD_CONFIGS for s in SEQLENS]
 
 
-def select_cases(heads=None, seqlens=None, quick: bool = False) -> list[Case]:
-    """The protocol's cases, filtered. heads / seqlens: iterables of strings ("16/64",
-    "1x32768") or tuples; quick picks QUICK_HEADS x QUICK_SEQLENS unless those are given."""
+def select_cases(heads=None, seqlens=None, quick: bool = False, rows: str = "protocol") -> list[Case]:
+    """A row set's cases (ROW_SETS), filtered. heads / seqlens: iterables of strings ("16/64",
+    "1x32768") or tuples, replacing the set's head configurations / mixes; quick picks
+    QUICK_HEADS x QUICK_SEQLENS unless those are given. rows="users" then drops the protocol
+    grid's rows."""
+    if rows not in ROW_SETS:
+        raise ValueError(f"unknown row set {rows!r}; known: {', '.join(ROW_SETS)}")
     head_list = [parse_heads(h) if isinstance(h, str) else tuple(h) for h in heads] if heads else None
     seq_list = [parse_seqlens(s) if isinstance(s, str) else tuple(s) for s in seqlens] if seqlens else None
     if quick:
         head_list = head_list or list(QUICK_HEADS)
         seq_list = seq_list or list(QUICK_SEQLENS)
-    head_list = head_list or list(HEAD_CONFIGS)
-    seq_list = seq_list or list(SEQLENS)
-    return [Case(hq, hv, s) for hq, hv in head_list for s in seq_list]
+    wide = rows != "protocol"
+    head_list = head_list or list(HEAD_CONFIGS + USER_HEAD_CONFIGS if wide else HEAD_CONFIGS)
+    seq_list = seq_list or list(SEQLENS + LONG_SEQLENS if wide else SEQLENS)
+    cases = [Case(hq, hv, s) for hq, hv in head_list for s in seq_list]
+    if rows == "users":
+        cases = [c for c in cases if (c.num_qk_heads, c.num_v_heads) not in HEAD_CONFIGS or c.seqlens not in SEQLENS]
+        if not cases:
+            raise ValueError("the selection holds only protocol rows, which --rows users leaves out")
+    return cases
