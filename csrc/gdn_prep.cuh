@@ -22,8 +22,10 @@
 //
 // The kernel body walks the items and composes the steps of one: PrepGates (the gates and betas,
 // scanned per v-head), prepare_qk_rows (tail rows, in-kernel l2norm), qk_products (K K^T and
-// Q K^T) and solve_head_batch (the solve for A0, then Aw and P). PrepConfig takes the head dim K
-// as a template parameter (64, 128 or 256; the 128-thread form needs K >= 128).
+// Q K^T) and solve_head_batch (the solve for A0, then Aw and P); the shared memory is composed of
+// their storage, the q/k tiles' and the item decoder's (PrepSharedStorage, gdn_prep_storage.cuh).
+// PrepConfig takes the head dim K as a template parameter (64, 128 or 256; the 128-thread form
+// needs K >= 128).
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cuda_runtime.h>
@@ -36,6 +38,7 @@
 #include "gdn_grid_sync.cuh"
 #include "gdn_pipeline.cuh"
 #include "gdn_prep_solve_mma.cuh"
+#include "gdn_prep_storage.cuh"
 #include "gdn_sequences.cuh"
 #include "gdn_tma_producer.cuh"
 #include "gdn_wgmma.cuh"
@@ -51,16 +54,9 @@ enum PrepOrder : int {
                      // sequential kernel, running beside the prep, consumes them
 };
 
-constexpr int kPrepPad = kChunk + 4;  // padded rows of 64x64 fp32 tiles (16-byte aligned rows)
-
 // P's octets and the normalised q/k rows leave by one 16-, 8- or 4-byte store each: written as
 // uint4 / uint2 assignments, nvcc 13.0 splits them into 4-byte stores (excess global sectors); the
-// inline PTX below is STG.E.128 / STG.E.64 / STG.E in the SASS.
-//
-// A call of up to kPrepSeqCache sequences decodes its items from a shared-memory copy of
-// cu_seqlens: the binary search over the offsets otherwise waits on dependent global loads.
-// (The measurements behind both: docs/kernel-notes.md.)
-constexpr int kPrepSeqCache = 128;
+// inline PTX below is STG.E.128 / STG.E.64 / STG.E in the SASS (measured: docs/kernel-notes.md).
 
 __device__ __forceinline__ void store_global_16(void* dst, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -162,37 +158,39 @@ struct PrepConfig {
   // An item's q and k tiles: one buffer, its bulk copies completing on the full barrier; the CTA-wide
   // barrier after the GEMMs (or, for q with QkInQ, after P) frees it for the next item's loads.
   using LoadPipeline = MbarrierPipeline<1, /*Transactions=*/true, ConsumerRelease::kCtaBarrier>;
-  struct alignas(1024) SharedStorage {
-    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> q;
-    cute::array_aligned<Elem, cosize_v<LayoutQK>, 1024> k;
-    float kk[kChunk * kPrepPad];
-    float qk[QkInQ ? 4 : kChunk * kPrepPad];  // QkInQ: unused, the tile lives in q
-    float gamma[HeadBatch][kChunk];
-    float beta[HeadBatch][kChunk];
-    float g_next[HeadBatch][kChunk];     // the next item's gates and betas (first head batch), copied
-    float beta_next[HeadBatch][kChunk];  // asynchronously while this item is solved
-    typename LoadPipeline::Storage loaded;
-    __device__ float* qk_tile() {
-      if constexpr (QkInQ) {
-        static_assert(sizeof(q) >= kChunk * kChunk * sizeof(float), "Q K^T's fp32 tile fits the q tile (K >= 128)");
-        return reinterpret_cast<float*>(q.data());
-      } else {
-        return qk;
-      }
-    }
-  };
-  // The shared copy of cu_seqlens follows the storage
-  static constexpr int SeqCacheBytes = int(sizeof(int64_t)) * (kPrepSeqCache + 1);
-  // Two decoded-item slots after that (PrepItemSlot)
-  static constexpr int ItemSlotBytes = 2 * 64;
-  // With 256 threads, two more X tiles after that (heads 2 and 3 of a batch solved at once, step 4
-  // of the kernel), 16-byte aligned for for_each_in_x_column. 108.8 KB: two CTAs still fit an SM.
-  static constexpr int XTileBytes = kChunk * kPrepPad * int(sizeof(float));
-  static constexpr int ExtraXOffset = (int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes + 127) / 128 * 128;
+  // With 256 threads, two more X tiles: heads 2 and 3 of a batch solved at once (step 4).
+  static constexpr int ExtraXTiles = Threads == 256 ? 2 : 0;
+  // The kernel's shared memory, composed of its collectives' storage (gdn_prep_storage.cuh).
+  using SharedStorage =
+      PrepSharedStorage<Elem, LayoutQK, typename LoadPipeline::Storage, HeadBatch, QkInQ, ExtraXTiles>;
+  // With 256 threads the extra X tiles end the storage (108.8 KB: two CTAs still fit an SM), with
+  // 128 the item slots.
   static constexpr int SmemBytes = Threads == 256
-                                       ? ExtraXOffset + 2 * XTileBytes
-                                       : int(sizeof(SharedStorage)) + SeqCacheBytes + ItemSlotBytes;
-  static constexpr uint32_t TileTxBytes = uint32_t(2 * sizeof(Elem) * cosize_v<LayoutQK>);
+                                       ? int(offsetof(SharedStorage, extra_x) + sizeof(SharedStorage::extra_x))
+                                       : int(offsetof(SharedStorage, items) + sizeof(PrepItemStorage));
+  // The layout: each part where the one before ends, at the part's alignment (1024 bytes for the
+  // swizzled tiles and for the item block, 8 for the barrier, 128 for the extra X tiles).
+  static constexpr size_t TileBytes = sizeof(Elem) * cosize_v<LayoutQK>;
+  static_assert(offsetof(SharedStorage, tiles) == 0 && alignof(SharedStorage) == 1024,
+                "the q/k tiles open the storage");
+  static_assert(offsetof(SharedStorage, tiles.k) == TileBytes &&
+                    offsetof(SharedStorage, products) == 2 * TileBytes,
+                "q, k, then the products' tiles");
+  static_assert(offsetof(SharedStorage, gates) ==
+                    offsetof(SharedStorage, products) + sizeof(typename SharedStorage::Products),
+                "the gates after the products' tiles");
+  static_assert(offsetof(SharedStorage, loaded) ==
+                    (offsetof(SharedStorage, gates) + sizeof(typename SharedStorage::Gates) + 7) / 8 * 8,
+                "the barrier after the gates");
+  static_assert(offsetof(SharedStorage, items) ==
+                    (offsetof(SharedStorage, loaded) + sizeof(typename LoadPipeline::Storage) + 1023) / 1024 * 1024,
+                "the item block on the next 1024 bytes");
+  static_assert(offsetof(SharedStorage, items.slots) == offsetof(SharedStorage, items) + PrepItemStorage::SeqBytes,
+                "the item slots after cu_seqlens' copy");
+  static_assert(Threads == 128 || offsetof(SharedStorage, extra_x) ==
+                    (offsetof(SharedStorage, items) + sizeof(PrepItemStorage) + 127) / 128 * 128,
+                "the extra X tiles after the item block");
+  static constexpr uint32_t TileTxBytes = uint32_t(2 * TileBytes);  // an item's q and k tiles
 };
 
 template <class Cfg>
@@ -216,24 +214,6 @@ struct PrepArgs {
   int use_qk_l2norm;
   int order;              // PrepOrder
   CpPlanArgs cp;          // a context-parallel call's plan (num_segments > 0): its job rows after the items
-};
-
-// One work item: a chunk of one sequence for one q/k head (invalid for unused slots or chunks).
-struct PrepItem {
-  int64_t slot;
-  int64_t chunk;
-  SeqRange range;
-  int hqk;
-  bool valid;
-};
-
-// An item as thread 0 decoded it, and the index of the item after it. Thread 0 alone finds and
-// decodes each next item, into one of two shared-memory slots the other threads read after the
-// item's barriers: every thread decoding each item for itself would take about a quarter of the
-// prep's SASS instructions (int64 offsets, clamps, the binary search; docs/kernel-notes.md).
-struct PrepItemSlot {
-  PrepItem it;
-  int64_t next;
 };
 
 // cu is where the kernel keeps the call's offsets: shared memory for calls of up to
@@ -348,7 +328,7 @@ __device__ __forceinline__ void qk_products(typename Cfg::SharedStorage& ss, SQ&
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_k);
     warpgroup_fence_operand(acc_q);
-    store_tile(acc_k, ss.kk, false_type{});
+    store_tile(acc_k, ss.products.kk, false_type{});
     if constexpr (Cfg::QkInQ) __syncthreads();  // every warp's GEMMs have read q
     store_tile(acc_q, ss.qk_tile(), bool_constant<Cfg::QkInQ>{});
   } else {  // 256 threads: warp group 0 K K^T, warp group 1 Q K^T
@@ -362,17 +342,18 @@ __device__ __forceinline__ void qk_products(typename Cfg::SharedStorage& ss, SQ&
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
-      store_tile(acc, kk_gemm ? ss.kk : ss.qk_tile(), false_type{});
+      store_tile(acc, kk_gemm ? ss.products.kk : ss.qk_tile(), false_type{});
     }
   }
 }
 
 // Steps 4 and 5 of an item for v-heads [hb, hb + nb) of q/k head hqk (one head batch, its gates in
-// ss.gamma / ss.beta): the solve for A0, Aw stored as X's columns are ready, and P with the slot's
-// gamma row. issue_next_q_load: the next item's q tile load (Cfg::QkInQ: once P has read Q K^T).
+// ss.gamma() / ss.beta()): the solve for A0, Aw stored as X's columns are ready, and P with the
+// slot's gamma row. issue_next_q_load: the next item's q tile load (Cfg::QkInQ: once P has read
+// Q K^T).
 template <class Elem, int Hqk, int Hv, int HeadK, int Threads, class Args, class IssueNextQ>
 __device__ __forceinline__ void solve_head_batch(const Args& args, typename PrepConfig<Elem, Hqk, HeadK, Threads>::SharedStorage& ss,
-                                                 char* smem_raw, int tid, int hqk, int hb, int nb, int64_t slot, int L,
+                                                 int tid, int hqk, int hb, int nb, int64_t slot, int L,
                                                  int64_t next, IssueNextQ&& issue_next_q_load) {
   using Cfg = PrepConfig<Elem, Hqk, HeadK, Threads>;
   constexpr int G = Hv / Hqk;
@@ -401,10 +382,10 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
   // With 256 threads and two to four v-heads per q/k head (one head batch: 2/8, 4/16, 8/32), the
   // four warp pairs solve their heads at once on the tensor cores, each into an X tile of its
   // own: head 0's in K K^T's upper triangle, head 1's in the Q K^T tile (P is written first, by
-  // all threads), heads 2 and 3 in the two tiles after the item slots. It is faster than a
-  // column per thread in registers (forward substitution, below, whose FFMAs dominate that
-  // prep's SASS); against 128 threads, which solve the heads one after another, it wins on
-  // short sequences and loses a little on long ones (docs/kernel-notes.md).
+  // all threads), heads 2 and 3 in the storage's extra X tiles. It is faster than a column per
+  // thread in registers (forward substitution, below, whose FFMAs dominate that prep's SASS);
+  // against 128 threads, which solve the heads one after another, it wins on short sequences and
+  // loses a little on long ones (docs/kernel-notes.md).
   constexpr bool kSolveHeadsAtOnce = Threads == 256 && G > 1 && G <= HeadBatch;
   // Aw[i][c] = e^{gamma_i - gamma_c} x_i b_c for head h of the batch and column c, as a store of
   // (i, x_i). The mask selects the exponent (e^-inf = 0), not the result: nvcc puts each
@@ -413,8 +394,8 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
   auto aw_column_store = [&](int h, int c) {
     const int hv = hqk * G + hb + h;
     Elem* aw = static_cast<Elem*>(args.aw) + (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-    const float* gam = ss.gamma[h];
-    const float gc = gam[c], bc = ss.beta[h][c];
+    const float* gam = ss.gamma()[h];
+    const float gc = gam[c], bc = ss.beta()[h][c];
     return [=](int i, float xi) {
       const float d = i < L && c <= i ? gam[i] - gc : -INFINITY;
       aw[i * kChunk + c] = Elem(exp_ftz(d) * xi * bc);
@@ -427,7 +408,7 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
     for (int h = h_lo; h < (ptid >= 0 ? h_hi : h_lo); ++h) {
       const int hv = hqk * G + hb + h;
       const int64_t base = (int64_t(hv) * args.num_slots + slot) * kChunk * kChunk;
-      const float* gam = ss.gamma[h];
+      const float* gam = ss.gamma()[h];
       Elem* pm = static_cast<Elem*>(args.p) + base;
       for (int u = ptid; u < kChunk * kChunk / 8; u += p_threads)
         store_p_octet<Elem, Cfg::QkInQ>(pm, ss.qk_tile(), gam, u / 8, 8 * (u % 8), L, args.scale);
@@ -446,9 +427,8 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
       __syncthreads();
       const int h = tid / kChunk, c = tid % kChunk;
       if (h < nb) {
-        float* extra_x = reinterpret_cast<float*>(smem_raw + Cfg::ExtraXOffset);
-        float* xt = h == 0 ? ss.kk : (h == 1 ? ss.qk_tile() : extra_x + (h - 2) * kChunk * kPrepPad);
-        solve_mma::solve_into<kPrepPad>(ss.kk, xt, ss.beta[h], c, 1 + h);
+        float* xt = h == 0 ? ss.products.kk : (h == 1 ? ss.qk_tile() : ss.extra_x.x[h - 2]);
+        solve_mma::solve_into<kPrepPad>(ss.products.kk, xt, ss.beta()[h], c, 1 + h);
         for_each_in_x_column<kPrepPad>(xt, c, aw_column_store(h, c));
       }
     } else if constexpr (kTensorCoreSolve) {
@@ -459,14 +439,14 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
         const int c = tid;
         for (int h = h_lo; h < h_hi; ++h) {
           if (h > h_lo) solve_mma::sync64();
-          solve_mma::solve<kPrepPad>(ss.kk, ss.beta[h], tid);
-          if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.kk, c, aw_column_store(h, c));
+          solve_mma::solve<kPrepPad>(ss.products.kk, ss.beta()[h], tid);
+          if constexpr (!kAwByAll) for_each_in_x_column<kPrepPad>(ss.products.kk, c, aw_column_store(h, c));
         }
       }
     } else {
       const int h = tid / kChunk, c = tid % kChunk;
       if (h < nb) {
-        const float* bet = ss.beta[h];
+        const float* bet = ss.beta()[h];
         float x[kChunk];
         // x_i = 0 for i < c, so a warp whose columns all lie in the upper half (c >= 32, a
         // warp-uniform test) solves only rows and terms from 32 on: a quarter of the work.
@@ -476,7 +456,7 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
           for (int i = 0; i < I0; ++i) x[i] = 0.f;
           CUTE_UNROLL
           for (int i = I0; i < kChunk; ++i) {
-            const float4* row = reinterpret_cast<const float4*>(ss.kk + i * kPrepPad);
+            const float4* row = reinterpret_cast<const float4*>(ss.products.kk + i * kPrepPad);
             float part[4] = {0.f, 0.f, 0.f, 0.f};
             CUTE_UNROLL
             for (int j4 = I0; j4 < i; j4 += 4) {
@@ -520,17 +500,19 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
     if constexpr (kAwByAll) {
       __syncthreads();  // X is complete in K K^T's upper triangle
       const int c = tid % kChunk;
-      for_each_in_x_column<kPrepPad, kChunk / 2>(ss.kk, c, aw_column_store(h_lo, c), tid / kChunk);
+      for_each_in_x_column<kPrepPad, kChunk / 2>(ss.products.kk, c, aw_column_store(h_lo, c), tid / kChunk);
       if (h_hi < nb) __syncthreads();  // X read before the next head's solve overwrites it
     }
   }  // round
 }
 
 // The prep's gates: per item and v-head, the gates and betas of its 64 rows, in-chunk scanned into
-// ss.gamma / ss.beta by one warp per v-head of a head batch (the first batch's copied ahead, during
-// the previous item).
+// ss.gamma() / ss.beta() by one warp per v-head of a head batch (the first batch's copied ahead,
+// during the previous item).
 template <class Cfg, int Hv, int G>
 struct PrepGates {
+  // Its part of the storage, reached through the kernel's (PrepSharedStorage::gamma() and the like).
+  using SharedStorage = typename Cfg::SharedStorage::Gates;
   static constexpr int HeadBatch = Cfg::HeadBatch;
   const PrepArgs<Cfg>& args;
   typename Cfg::SharedStorage& ss;
@@ -550,8 +532,8 @@ struct PrepGates {
         // A padding row's copy reads nothing (zero-fill) from a valid stand-in address.
         const float* g = gate_source(it, 0, t, args.g);
         const float* b = gate_source(it, 0, t, args.beta);
-        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(g ? *g : *args.g, ss.g_next[warp][2 * lane + t], g != nullptr);
-        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b ? *b : *args.beta, ss.beta_next[warp][2 * lane + t],
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(g ? *g : *args.g, ss.g_next()[warp][2 * lane + t], g != nullptr);
+        SM80_CP_ASYNC_CACHEALWAYS_ZFILL<float>::copy(b ? *b : *args.beta, ss.beta_next()[warp][2 * lane + t],
                                                      b != nullptr);
       }
     }
@@ -568,10 +550,10 @@ struct PrepGates {
         if (lane >= o) incl += up;
       }
       const float excl = incl - pair;
-      ss.gamma[warp][2 * lane] = excl + g[0];
-      ss.gamma[warp][2 * lane + 1] = excl + g[0] + g[1];
-      ss.beta[warp][2 * lane] = b[0];
-      ss.beta[warp][2 * lane + 1] = b[1];
+      ss.gamma()[warp][2 * lane] = excl + g[0];
+      ss.gamma()[warp][2 * lane + 1] = excl + g[0] + g[1];
+      ss.beta()[warp][2 * lane] = b[0];
+      ss.beta()[warp][2 * lane + 1] = b[1];
     }
   }
   // Step 0: the first head batch's gates, copied during the previous item, scanned. Each thread
@@ -583,8 +565,8 @@ struct PrepGates {
     if (warp < min(HeadBatch, G)) {
       CUTE_UNROLL
       for (int t = 0; t < 2; ++t) {
-        g[t] = ss.g_next[warp][2 * lane + t];
-        b[t] = ss.beta_next[warp][2 * lane + t];
+        g[t] = ss.g_next()[warp][2 * lane + t];
+        b[t] = ss.beta_next()[warp][2 * lane + t];
       }
     }
     scan_gates(min(HeadBatch, G), g, b);
@@ -631,10 +613,9 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     cute::prefetch_tma_descriptor(args.tma_k.get_tma_descriptor());
   }
   const int64_t* cu = args.cu_seqlens;  // where items are decoded from
-  static_assert(sizeof(PrepItemSlot) <= Cfg::ItemSlotBytes / 2, "two item slots fit their bytes");
-  auto* item_slots = reinterpret_cast<PrepItemSlot*>(smem_raw + sizeof(typename Cfg::SharedStorage) + Cfg::SeqCacheBytes);
+  PrepItemSlot* item_slots = ss.items.slots;
   if (args.num_seqs <= kPrepSeqCache) {
-    int64_t* offsets = reinterpret_cast<int64_t*>(smem_raw + sizeof(typename Cfg::SharedStorage));
+    int64_t* offsets = ss.items.offsets;
     for (int64_t s = tid; s <= args.num_seqs; s += Threads) offsets[s] = args.cu_seqlens[s];
     cu = offsets;
   }
@@ -650,13 +631,13 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   auto issue_q_load = [&](const PrepItem& it) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
     Tensor gQ = local_tile(domain_offset(make_coord(tok0, 0), mQ), Shape<C64, CK>{}, make_coord(0, it.hqk));
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
+    Tensor sQ = make_tensor(make_smem_ptr(ss.tiles.q.data()), typename Cfg::LayoutQK{});
     load.tile(SingleState{0u}, args.tma_q, gQ, sQ);
   };
   auto issue_loads = [&](const PrepItem& it, bool q_too) {
     const int32_t tok0 = int32_t(it.range.start + it.chunk * kChunk);
     Tensor gK = local_tile(domain_offset(make_coord(tok0, 0), mK), Shape<C64, CK>{}, make_coord(0, it.hqk));
-    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.tiles.k.data()), typename Cfg::LayoutQK{});
     load.expect(SingleState{0u}, Cfg::TileTxBytes);
     if (q_too) issue_q_load(it);
     load.tile(SingleState{0u}, args.tma_k, gK, sK);
@@ -694,8 +675,8 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     tiles.consumer_wait(SingleState{phase});
 
     // 1. Tail rows to zeros, in-kernel l2norm; 2. K K^T and Q K^T.
-    Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Cfg::LayoutQK{});
-    Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Cfg::LayoutQK{});
+    Tensor sQ = make_tensor(make_smem_ptr(ss.tiles.q.data()), typename Cfg::LayoutQK{});
+    Tensor sK = make_tensor(make_smem_ptr(ss.tiles.k.data()), typename Cfg::LayoutQK{});
     prepare_qk_rows<Elem, Hqk, HeadK, Threads>(args, sQ, sK, tid, L, tok0, hqk);
     __syncthreads();
     qk_products<Cfg>(ss, sQ, sK, tid);
@@ -717,7 +698,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
         __syncthreads();
       }
 
-      solve_head_batch<Elem, Hqk, Hv, HeadK, Threads>(args, ss, smem_raw, tid, hqk, hb, nb, slot, L, next,
+      solve_head_batch<Elem, Hqk, Hv, HeadK, Threads>(args, ss, tid, hqk, hb, nb, slot, L, next,
                                                       [&] { issue_q_load(item_slots[phase ^ 1u].it); });
       __syncthreads();
     }

@@ -6,8 +6,8 @@ consumer chunk step and epilogue (gdn_fwd_mainloop.cuh, its pipelines in gdn_pip
 prep (gdn_prep.cuh, with the CP job planner it runs) and the CP chain (gdn_cp.cuh); the forward,
 prep and chain kernels fill their rings through one TMA producer (gdn_tma_producer.cuh). This test
 instantiates them with nvcc -arch=sm_90a -c (compiled, never launched) for K, V in {64, 128, 256},
-with the forward kernel's and the chain's composed shared storage and the CP scheduler, and checks
-that the combinations a collective does not support yet stop at their static_assert:
+with the forward kernel's, the prep's and the chain's composed shared storage and the CP scheduler,
+and checks that the combinations a collective does not support yet stop at their static_assert:
 
 - the CP chain needs K = V (its M maps a state to a state) and two K x K fp32 buffers in shared
   memory, so K = V = 256 does not fit; at K = 64 four threads share a state row, so a CTA of
@@ -92,6 +92,28 @@ def chain_storage(k: int, columns: int) -> str:
     ])
 
 
+def prep_storage(k: int, threads: int) -> str:
+    """The prep's shared storage composed of its parts (the layout's static_asserts in PrepConfig
+    run on its instantiation) and the size the launch asks for."""
+    cfg = f"fqt::PrepConfig<cutlass::half_t, 1, {k}, {threads}>"
+    s = f"PrepStorage_{k}_{threads}"
+    return "\n".join([
+        f"template struct {cfg};",
+        f"using {s} = {cfg}::SharedStorage;",
+        f"static_assert({cfg}::SmemBytes <= int(sizeof({s})) && alignof({s}) == 1024, "
+        f"\"the launch's bytes lie in the storage\");",
+        f"static_assert(offsetof({s}, gates) % 16 == 0 && offsetof({s}, loaded) % 8 == 0, "
+        f"\"the gates' 16-byte reads and the barrier's alignment\");",
+        *([f"static_assert(offsetof({s}, extra_x) % 16 == 0 && {cfg}::SmemBytes == "
+           f"int(offsetof({s}, extra_x) + sizeof({s}::extra_x)), \"the extra X tiles end the launch's bytes\");"]
+          if threads == 256 else []),
+        # the plans' K: the CTAs per SM that the kernel's launch bounds promise fit an SM's 228 KB
+        # of shared memory (1 KB of it reserved per CTA)
+        *([f"static_assert({cfg}::CtasPerSm * ({cfg}::SmemBytes + 1024) <= 228 * 1024, "
+           f"\"CtasPerSm CTAs fit an SM's shared memory\");"] if k == 128 else []),
+    ])
+
+
 def chain(k: int, columns: int) -> str:
     return f"template __global__ void fqt::cp_chain_kernel<2, {k}, {k}, false, {columns}>(const fqt::CpPlanArgs);"
 
@@ -104,6 +126,7 @@ SUPPORTED = {
                                  "template struct fqt::CpScheduler<2>;"]),
     **{f"prep-k{k}-t256": prep(k, 256) for k in DIMS},
     **{f"prep-k{k}-t128": prep(k, 128) for k in (128, 256)},
+    "prep-storage": "\n".join([*(prep_storage(k, 256) for k in DIMS), *(prep_storage(k, 128) for k in (128, 256))]),
     "chain-k64": "\n".join(chain(64, c) for c in (8, 16)),
     "chain-k128": "\n".join(chain(128, c) for c in (4, 8, 16)),
 }
