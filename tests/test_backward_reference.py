@@ -109,6 +109,23 @@ def test_the_algorithm_is_exact_in_float64(name):
     assert max(errors.values()) < 1e-11, errors
 
 
+@pytest.mark.parametrize("name", ["gva varlen tails, empty and one-token, bf16 gates",
+                                  "state_v_first, in-kernel l2 norm, strong decay, fp16",
+                                  "batch rows, weak decay, dht without h0"])
+def test_the_chunked_oracle_form_gives_the_token_recurrences_gradients(name):
+    case = dict(CASES[name])
+    l2norm = case.pop("l2norm", False)
+    inputs, do, dht = draw(11, **case)
+    token = recurrent_gated_delta_rule_gradients(**inputs, do=do, dht=dht, use_qk_l2norm_in_kernel=l2norm)
+    chunked = recurrent_gated_delta_rule_gradients(**inputs, do=do, dht=dht, use_qk_l2norm_in_kernel=l2norm,
+                                                   form="chunked")
+    for n in NAMES:
+        if getattr(token, n) is not None:
+            assert rel_l2(getattr(chunked, n), getattr(token, n)) < 1e-12, n
+    with pytest.raises(ValueError, match="form='scan'"):
+        recurrent_gated_delta_rule_gradients(**inputs, do=do, dht=dht, form="scan")
+
+
 def test_rows_past_the_last_offset_get_zero_gradients():
     _, got, inputs = errors_of(CASES["rows past the last offset, Hqk = Hv, fp32"], 3)
     end = int(inputs["cu_seqlens"][-1])

@@ -5,6 +5,11 @@ float64, so each gradient is exact to rounding whatever the shapes: q/k heads sh
 v-heads (GVA) get the sum over those v-heads, use_qk_l2norm_in_kernel is differentiated through
 the normalisation, and varlen calls with empty or one-token sequences need no special case.
 Rows past cu_seqlens[-1] belong to no sequence: their gradients are zero.
+
+form="chunked" differentiates the chunked float64 forward (oracle.chunked, gate-free A0) instead:
+the same function to ~1e-12, a different algorithm from the token loop and from any backward
+under test, and far fewer autograd nodes, so long GPU cases take seconds instead of minutes.
+It covers the scalar gate only.
 """
 from __future__ import annotations
 
@@ -12,7 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .chunked import chunk_gated_delta_rule_chunked
 from .recurrent import recurrent_gated_delta_rule
+
+FORWARDS = {"recurrent": recurrent_gated_delta_rule, "chunked": chunk_gated_delta_rule_chunked}
 
 
 @dataclass
@@ -31,17 +39,20 @@ class OracleGradients:
 
 def recurrent_gated_delta_rule_gradients(
     q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
-    state_v_first=False, cu_seqlens=None,
+    state_v_first=False, cu_seqlens=None, form="recurrent",
 ) -> OracleGradients:
     """Gradients of  <o, do> + <final_state, dht>  w.r.t. q, k, v, g, beta and initial_state.
 
     do is [B,T,Hv,V]; dht (optional) is the final state's gradient in the state layout
     (state_v_first as for initial_state). All inputs are taken as exact values and upcast to
-    float64; the scalar gate (g [B,T,Hv]) and the per-key gate (g [B,T,Hv,K]) alike."""
+    float64; the scalar gate (g [B,T,Hv]) and the per-key gate (g [B,T,Hv,K]) alike (form
+    "recurrent"; "chunked" takes the scalar gate only)."""
+    if form not in FORWARDS:
+        raise ValueError(f"form={form!r}: one of {sorted(FORWARDS)}")
     leaves = [t.detach().to(torch.float64).requires_grad_(True) for t in (q, k, v, g, beta)]
     h0 = None if initial_state is None else initial_state.detach().to(torch.float64).requires_grad_(True)
     with torch.enable_grad():
-        o, final = recurrent_gated_delta_rule(
+        o, final = FORWARDS[form](
             *leaves, scale=scale, initial_state=h0, output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
         if tuple(do.shape) != tuple(o.shape):
