@@ -236,3 +236,36 @@ def test_the_fla_backend_takes_grad_calls(tmp_path):
     h0 = torch.zeros(1, 8, D, D, requires_grad=True)
     assert torch.is_grad_enabled()
     assert verify_call(pack, q, q.detach(), v, g, beta, initial_state=h0, device_arch=FakeHopper) == (True, None)
+
+
+def test_the_backward_ops_fake_gives_contiguous_gradients_for_strided_inputs():
+    # torch.compile allocates the backward's outputs from the fake: its strides must be the
+    # implementation's (contiguous), also for a transposed q or initial state
+    gen = torch.Generator().manual_seed(9)
+    T, H, D = 70, 2, 16
+    q = F.normalize(torch.randn(1, H, T, D, generator=gen), dim=-1).transpose(1, 2)
+    k = F.normalize(torch.randn(1, T, H, D, generator=gen), dim=-1)
+    v = torch.randn(1, T, H, D, generator=gen)
+    g = gate_values("mixed", (1, T, H), gen)
+    beta = torch.rand(1, T, H, generator=gen)
+    h0 = torch.randn(1, H, D, D, generator=gen).transpose(-1, -2)
+    cu = torch.tensor([0, T])
+    do, dht = torch.randn(1, T, H, D, generator=gen), torch.randn(1, H, D, D, generator=gen)
+    args = (q, k, v, g, beta, cu, h0, do, dht, D ** -0.5, False, False)
+    torch.library.opcheck(torch.ops.flashqla_tune.gdn_bwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    real = torch.ops.flashqla_tune.gdn_bwd(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.flashqla_tune.gdn_bwd(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                 for a in args))
+    for r, f in zip(real, fake):
+        assert r.is_contiguous() and f.stride() == r.stride() and f.shape == r.shape
+
+
+def test_the_backwards_grid_cache_stays_bounded():
+    from flashqla_tune.backward import chunked_torch
+    for n in range(chunked_torch.GRID_CACHE_SIZE + 20):
+        chunked_torch.chunk_grid((0, n + 1, n + 70), "cpu")
+    assert len(chunked_torch._GRIDS) == chunked_torch.GRID_CACHE_SIZE
+    newest = (0, chunked_torch.GRID_CACHE_SIZE + 20, chunked_torch.GRID_CACHE_SIZE + 89)
+    assert (newest, "cpu") in chunked_torch._GRIDS

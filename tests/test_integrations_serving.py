@@ -291,10 +291,28 @@ def test_sglang_padding_slots_read_zeros_and_write_nothing(fake_sglang):
     assert torch.equal(batch.pool[untouched], before[untouched])  # slot 8 (index -1) included
 
 
+def test_sglang_state_gather_and_scatter_never_read_the_device_on_the_host():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        seen = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                HostReads.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    pool, idx = torch.randn(5, 2, 8, 8), torch.tensor([3, -1, 0])
+    with HostReads():
+        sglang_route.scatter_states(pool, idx, sglang_route.gather_states(pool, idx))
+    assert HostReads.seen == 0
+
+
 def test_sglang_a_batch_of_padding_alone_leaves_the_pool():
     pool = torch.randn(5, 2, 8, 8)
     before = pool.clone()
     sglang_route.scatter_states(pool, torch.tensor([-1, -1]), torch.randn(2, 2, 8, 8))
+    sglang_route.scatter_states(pool, torch.tensor([], dtype=torch.int64), torch.randn(0, 2, 8, 8))
     assert torch.equal(pool, before)
     assert torch.equal(sglang_route.gather_states(pool, torch.tensor([-1, 2]))[1], pool[2])
 

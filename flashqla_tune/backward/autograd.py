@@ -42,9 +42,10 @@ _gdn_bwd_op = torch.library.custom_op("flashqla_tune::gdn_bwd", mutates_args=())
 
 @_gdn_bwd_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, initial_state, do, dht, scale, use_qk_l2norm, state_v_first):
-    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta), dh0)
+    # contiguous, as the implementation returns them, whatever the inputs' strides
+    dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
+           else q.new_empty((0,), dtype=torch.float32))
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, g, beta)) + (dh0,)
 
 
 def _no_double_backward(ctx, *grads):

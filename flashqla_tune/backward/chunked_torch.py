@@ -29,6 +29,7 @@ it loops only over chunk positions, all sequences that still have a chunk there 
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,10 @@ class ChunkGrid:
     steps: tuple              # per chunk position: (sequence indices, or None when all run; chunk indices)
 
 
-_GRIDS: dict = {}
+# Recent grids by (offsets, device), least recently used first: a training loop repeats few
+# offsets at a time but may see new ones every step, so the cache is bounded.
+_GRIDS: OrderedDict = OrderedDict()
+GRID_CACHE_SIZE = 32
 
 
 def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
@@ -57,6 +61,7 @@ def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
     key = (bounds, str(device))
     grid = _GRIDS.get(key)
     if grid is not None:
+        _GRIDS.move_to_end(key)
         return grid
     if not bounds or bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {list(bounds)}")
@@ -80,6 +85,8 @@ def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
         steps.append((None if everyone else torch.tensor(seqs, dtype=torch.int64, device=device), chunks))
     grid = ChunkGrid(len(lens), total, tokens, token_slot.to(device), slot_token.to(device), tuple(steps))
     _GRIDS[key] = grid
+    while len(_GRIDS) > GRID_CACHE_SIZE:
+        _GRIDS.popitem(last=False)
     return grid
 
 

@@ -88,12 +88,16 @@ def scatter_states(ssm_states, cache_indices, final_state) -> None:
     One index_put writes every row. A padding row is pointed at the slot of the first real request
     with that request's own state (or, with no real request, at slot 0 with slot 0's own value), so
     duplicate indices always carry equal values and the write is deterministic."""
+    if cache_indices.numel() == 0:
+        return
     valid = cache_indices >= 0
     slots = cache_indices.clamp(min=0)
     new = final_state.to(ssm_states.dtype)
-    first = torch.argmax(valid.to(torch.int32))  # 0 when no request is real
-    pad_slot = slots[first]
-    pad_state = torch.where(valid[first], new[first], ssm_states[pad_slot])
+    # one-element index tensors throughout: indexing with a 0-dim tensor would read it on the host
+    first = valid.to(torch.int32).argmax().view(1)  # 0 when no request is real
+    pad_slot = slots.index_select(0, first)
+    pad_state = torch.where(valid.index_select(0, first).view(1, 1, 1, 1), new.index_select(0, first),
+                            ssm_states.index_select(0, pad_slot))
     slots = torch.where(valid, slots, pad_slot)
     ssm_states[slots] = torch.where(valid.view(-1, 1, 1, 1), new, pad_state)
 
