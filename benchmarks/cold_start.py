@@ -1,6 +1,6 @@
 """Cold start: the wall time of a fresh interpreter that produces the first output of a GDN call.
 
-    python -P benchmarks/cold_start.py OUT [--pack PACK] [--impl ours|flashqla|fla ...] [--runs 2]
+    python -P benchmarks/cold_start.py OUT [--pack PACK] [--impl ours|flashqla|fla|flashinfer ...] [--runs 2]
 
 Each run spawns `python -c` that imports torch, creates the CUDA context, imports the
 implementation (ours: `flashqla_tune.load(PACK)`), makes bf16 inputs of a 2/8-head 1x8192 call
@@ -39,6 +39,14 @@ if impl == "ours":
 elif impl == "flashqla":
     import flash_qla
     call, kw = flash_qla.chunk_gated_delta_rule, {}
+elif impl == "flashinfer":  # as vLLM calls it: packed [T, H, D], decay exp(g), int32 offsets
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule as flashinfer_gdn
+
+    def call(q, k, v, g, beta, **options):
+        cu = torch.tensor([0, q.shape[1]], dtype=torch.int32, device=q.device)
+        o, state = flashinfer_gdn(q[0], k[0], v[0], g[0].exp(), beta[0], cu_seqlens=cu, **options)
+        return o.unsqueeze(0), state
+    kw = {}
 else:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as call
     kw = {}
@@ -88,7 +96,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--pack", type=Path, help="the pack to load (default: build an untuned one of the shipped model)")
-    ap.add_argument("--impl", action="append", choices=("ours", "flashqla", "fla"),
+    ap.add_argument("--impl", action="append", choices=("ours", "flashqla", "fla", "flashinfer"),
                     help="implementations to time, in this order (default: ours, flashqla, fla)")
     ap.add_argument("--runs", type=int, default=2, help="runs per implementation (report the last)")
     args = ap.parse_args(argv)
