@@ -25,6 +25,10 @@
 #                                              users, all; --heads / --seqlens pick a part) with FlashInfer and
 #                                              cuDNN beside ours, FLA and FlashQLA, accuracy on rows of at most
 #                                              8192 tokens: $OUT/scoreboard-fi-ROWS.tar.gz (joinable by join)
+#   bash benchmarks/h200_steps.sh cold-start   benchmarks/cold_start.py: ours (an untuned pack of the shipped
+#                                              model, built first), FlashQLA, FLA, and FlashInfer when its
+#                                              bundle is installed (flashinfer-stage): $OUT/cold/cold_start.json
+#                                              (published: docs/results/cold-start.json)
 #   bash benchmarks/h200_steps.sh host         eager host time: tools/host_overhead.py, then
 #                                              benchmarks/host_queue_probe.py (published:
 #                                              docs/results/host-queue-probe.json); needs a quiet machine
@@ -40,9 +44,9 @@ OUT=${OUT:-/tmp/steps_out}
 mkdir -p "$OUT"
 STEP=${1:-tests}
 case "$STEP" in
-  setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split|flashinfer-stage|flashinfer-rows) ;;
+  setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split|flashinfer-stage|flashinfer-rows|cold-start) ;;
   *) echo "unknown step '$STEP' (setup | tests | tests-x2 | gpu-tests | half | pair-score | join | host |" \
-       "host-ab | kernel-split | flashinfer-stage | flashinfer-rows)" >&2
+       "host-ab | kernel-split | flashinfer-stage | flashinfer-rows | cold-start)" >&2
      exit 2 ;;
 esac
 
@@ -177,6 +181,13 @@ case "$STEP" in
     grep -E "skipping|^- implementations" "$OUT/gpu0/scoreboard_run.log" | cut -c1-900
     grep -A16 "^Summary, graph" "$OUT/gpu0/scoreboard.md" | grep -E "flashinfer|best peer"
     tar -C "$OUT" -czf "$OUT/scoreboard-fi-$rows.tar.gz" gpu0 && rm -rf "${OUT:?}/gpu0" ;;
+  cold-start)
+    # the page cache and the peers' JIT caches are warm from each implementation's second run
+    impls=(--impl ours --impl flashqla --impl fla)
+    if device_fi_env 2>/dev/null; then impls+=(--impl flashinfer); else echo "FlashInfer bundle not installed: not timed"; fi
+    timeout "${COLD_TIMEOUT_S:-540}" python3 -P benchmarks/cold_start.py "$OUT/cold" "${impls[@]}" --runs 2 \
+      > "$OUT/cold_start.log" 2>&1
+    echo "cold-start rc=$?"; grep -E "run [12]:|cold start" "$OUT/cold_start.log" | cut -c1-330 ;;
   kernel-split)
     timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P benchmarks/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
     echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;
