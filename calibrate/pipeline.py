@@ -129,8 +129,6 @@ def calibrate_checkpoint(checkpoint=None, corpus=None, settings: CalibrationSett
         raise CalibrationError(f"{ckpt}: {exc}") from exc
     if not model.gdn_layers:
         raise CalibrationError(f"{ckpt}: model has no GDN (linear_attention) layers")
-    if model.spec.gate_kind != "scalar":
-        raise CalibrationError(f"{ckpt}: gate kind {model.spec.gate_kind!r} is not calibrated yet")
     if problem := heads_problem(model.spec.num_qk_heads, model.spec.num_v_heads):
         raise CalibrationError(f"{ckpt}: {problem}")
     spec = model.spec if qkv_dtype is None else dataclasses.replace(model.spec, qkv_dtype=qkv_dtype)

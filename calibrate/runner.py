@@ -23,7 +23,8 @@ def run_layer_by_layer(adapter: GDNAdapter, input_ids: torch.Tensor, settings: C
     stats: list[LayerStats] = []
     for index in range(last + 1):
         layer = adapter.load_layer(index)
-        acc = GateAccumulator(model.spec.num_v_heads, settings) if index in model.gdn_layers else None
+        acc = (GateAccumulator(model.spec.num_v_heads, settings, per_key=model.spec.gate_kind == "per_key")
+               if index in model.gdn_layers else None)
         for j, h in enumerate(hidden):
             out, g = layer(h.to(adapter.device))
             if acc is not None:

@@ -5,6 +5,9 @@ the gate's summed log-decay over those n chunks is at most log(eps) (DESIGN.md, 
 For each head we measure, over every window of n consecutive full chunks inside one sequence,
 the fraction whose sum stays *above* log(eps) (the windows that would not decay enough);
 n_h is the smallest n <= N where that fraction is at most 1 - Q. No such n: class "exact".
+For KDA's per-key-channel gate (g [.., Hv, K]) the same statistics are taken of each token's
+least-negative channel gate, max_k g[t, k] (least_decay_gates): over a window its sum bounds the
+norm of the window's transition product, while per-channel sums bound nothing (docs/kda.md).
 Nothing here needs a checkpoint: tests and the benchmark call it on synthetic gates. The records it
 returns (HeadStats, LayerStats) are the artifact's, in flashqla_tune.calibration_artifact.
 """
@@ -33,6 +36,27 @@ def as_sequences(gates) -> list[torch.Tensor]:
     if g.dim() == 3:
         return list(g.unbind(0))
     raise CalibrationError(f"gate tensor must be [T, Hv] or [B, T, Hv], got shape {tuple(g.shape)}")
+
+
+def least_decay_gates(gates) -> list[torch.Tensor]:
+    """Per-key gates [T, Hv, K], [B, T, Hv, K] or a list of [T_i, Hv, K] -> a list of [T_i, Hv]
+    holding max_k g[t, h, k], the per-token statistic of the KDA warm-up bound."""
+    if isinstance(gates, (list, tuple)):
+        seqs = [torch.as_tensor(g) for g in gates]
+        bad = [tuple(g.shape) for g in seqs if g.dim() != 3]
+        if bad:
+            raise CalibrationError(f"per-sequence per-key gates must each be [T, Hv, K], got shapes {bad}")
+    else:
+        g = torch.as_tensor(gates)
+        if g.dim() not in (3, 4):
+            raise CalibrationError(f"per-key gate tensor must be [T, Hv, K] or [B, T, Hv, K], "
+                                   f"got shape {tuple(g.shape)}")
+        seqs = [g] if g.dim() == 3 else list(g.unbind(0))
+    if any(g.shape[-1] == 0 for g in seqs):
+        raise CalibrationError("per-key gate has no key channels (K = 0)")
+    if any(g.numel() and not bool(torch.isfinite(g).all()) for g in seqs):
+        raise CalibrationError("gate tensor holds NaN or inf values")
+    return [g.max(dim=-1).values for g in seqs]
 
 
 def chunk_log_decay(g: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -76,15 +100,16 @@ class GateAccumulator:
     """Collects one GDN layer's gates batch by batch, keeping only per-chunk sums and counts,
     so memory stays small however many tokens the corpus has."""
 
-    def __init__(self, num_heads: int, settings: CalibrationSettings):
+    def __init__(self, num_heads: int, settings: CalibrationSettings, per_key: bool = False):
         self.num_heads = num_heads
         self.settings = settings
+        self.per_key = per_key      # gates come per key channel (KDA): reduced by least_decay_gates
         self.chunk_sums: list[np.ndarray] = []
         self.num_tokens = 0
         self.zero_counts = np.zeros(num_heads, dtype=np.int64)
 
     def add(self, gates) -> None:
-        for g in as_sequences(gates):
+        for g in (least_decay_gates(gates) if self.per_key else as_sequences(gates)):
             if g.shape[1] != self.num_heads:
                 raise CalibrationError(f"gate has {g.shape[1]} v-heads, expected {self.num_heads}")
             if g.numel() and not bool(torch.isfinite(g).all()):
@@ -120,9 +145,10 @@ class GateAccumulator:
 
 
 def calibrate_gates(gates, settings: CalibrationSettings | None = None, layer: int = 0,
-                    decoder_layer: int | None = None) -> LayerStats:
-    """Statistics of one layer's gates: a raw [T, Hv] / [B, T, Hv] tensor or a per-sequence list."""
-    seqs = as_sequences(gates)
+                    decoder_layer: int | None = None, per_key: bool = False) -> LayerStats:
+    """Statistics of one layer's gates: a raw [T, Hv] / [B, T, Hv] tensor or a per-sequence list;
+    with per_key, KDA gates [T, Hv, K] / [B, T, Hv, K] or a list of [T_i, Hv, K]."""
+    seqs = least_decay_gates(gates) if per_key else as_sequences(gates)
     if not seqs:
         raise CalibrationError("no gate sequences given")
     acc = GateAccumulator(seqs[0].shape[1], settings or CalibrationSettings())

@@ -71,8 +71,20 @@ class LayerStats:
 
 
 SCHEMA = "flashqla-tune.calibration"
+# Version 1: a scalar gate, the statistics of g per token. Version 2: KDA's per-key-channel gate,
+# the same statistics of each token's least-negative channel gate, max_k g[t, k], the quantity whose
+# window sum bounds the warm-up error (docs/kda.md); it names that in `gate_statistic`. Scalar-gate
+# artifacts are written as version 1, unchanged; both versions load.
 SCHEMA_VERSION = 1
+KDA_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, KDA_SCHEMA_VERSION)
+MAX_KEY_CHANNEL = "max_key_channel"
 ARTIFACT_NAME = "calibration.json"
+
+
+def schema_version_for(spec: dict) -> int:
+    """The artifact version a calibration of spec (GDNSpec.to_dict()) is written as."""
+    return KDA_SCHEMA_VERSION if isinstance(spec, dict) and spec.get("gate_kind") == "per_key" else SCHEMA_VERSION
 
 
 @dataclass
@@ -87,7 +99,17 @@ class Calibration:
     layers: list[LayerStats]
     run: dict = field(default_factory=dict)   # device, seconds, peak memory: informative only
     tool_version: str = __version__
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int | None = None      # None: schema_version_for(spec)
+
+    def __post_init__(self) -> None:
+        if self.schema_version is None:
+            self.schema_version = schema_version_for(self.spec)
+
+    @property
+    def gate_statistic(self) -> str | None:
+        """What the per-head statistics are of: MAX_KEY_CHANNEL for KDA (version 2), None for the
+        scalar gate (g itself)."""
+        return MAX_KEY_CHANNEL if self.schema_version == KDA_SCHEMA_VERSION else None
 
     def model_table(self) -> list[int]:
         """One warm-up count per v-head for `layer=None`: the largest n_h over layers, -1 if any
@@ -102,8 +124,9 @@ class Calibration:
         return [layer.summary_line(self.settings.max_window) for layer in self.layers]
 
     def to_dict(self) -> dict:
+        kda = {"gate_statistic": MAX_KEY_CHANNEL} if self.schema_version == KDA_SCHEMA_VERSION else {}
         return {
-            "schema": SCHEMA, "schema_version": self.schema_version, "tool_version": self.tool_version,
+            "schema": SCHEMA, "schema_version": self.schema_version, "tool_version": self.tool_version, **kda,
             "checkpoint": {"sha256": self.checkpoint_sha256, "path": self.checkpoint_path,
                            "family": self.family, "model_type": self.model_type, "spec": self.spec},
             "corpus": self.corpus,
@@ -122,9 +145,10 @@ class Calibration:
             raise CalibrationError(f"{source} is not a flashqla-tune calibration artifact "
                                    f"(schema {data.get('schema') if isinstance(data, dict) else None!r})")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
             raise CalibrationError(f"{source} has calibration schema version {version!r}; this tool "
-                                   f"({__version__}) reads version {SCHEMA_VERSION}: recalibrate")
+                                   f"({__version__}) reads versions {SCHEMA_VERSION} (scalar gate) and "
+                                   f"{KDA_SCHEMA_VERSION} (per-key gate): recalibrate")
         try:
             return _calibration_from_dict(data, version)
         except _FieldError as exc:
@@ -182,6 +206,13 @@ def _calibration_from_dict(data: dict, version: int) -> Calibration:
         raise _FieldError(f"checkpoint.spec: {exc}") from None
     if num_v_heads is None:
         raise _FieldError(f"checkpoint.spec is {spec!r}: it must be an object")
+    if schema_version_for(spec) != version:
+        raise _FieldError(f"schema_version is {version} but checkpoint.spec has gate_kind={spec.get('gate_kind')!r}: "
+                          f"a scalar gate's artifact is version {SCHEMA_VERSION}, a per-key gate's "
+                          f"version {KDA_SCHEMA_VERSION}")
+    if version == KDA_SCHEMA_VERSION and data.get("gate_statistic") != MAX_KEY_CHANNEL:
+        raise _FieldError(f"gate_statistic is {data.get('gate_statistic')!r}: a version {KDA_SCHEMA_VERSION} "
+                          f"artifact records {MAX_KEY_CHANNEL!r}")
     corpus = _field(data, "corpus", "")
     if not isinstance(corpus, dict):
         raise _FieldError(f"corpus is {corpus!r}: it must be an object")
@@ -283,5 +314,6 @@ def load_calibration(path: str | Path, checkpoint_sha256: str | None = None) -> 
     return cal
 
 
-__all__ = ["ARTIFACT_NAME", "Calibration", "EXACT", "HeadStats", "LayerStats", "QUANTILE_LEVELS", "SCHEMA",
-           "SCHEMA_VERSION", "WARMUP", "load_calibration", "save_calibration"]
+__all__ = ["ARTIFACT_NAME", "Calibration", "EXACT", "HeadStats", "KDA_SCHEMA_VERSION", "LayerStats", "MAX_KEY_CHANNEL",
+           "QUANTILE_LEVELS", "READABLE_SCHEMA_VERSIONS", "SCHEMA", "SCHEMA_VERSION", "WARMUP", "load_calibration",
+           "save_calibration", "schema_version_for"]

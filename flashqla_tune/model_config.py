@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .spec import QKV_DTYPES, STATE_LAYOUTS, GDNSpec, SpecError
+from .spec import GATE_KINDS, QKV_DTYPES, STATE_LAYOUTS, GDNSpec, SpecError
 
 
 class ConfigError(ValueError):
@@ -25,6 +25,8 @@ class ConfigError(ValueError):
 
 # The gate every registered family computes; its parameters are the layer's A_log and dt_bias.
 SCALAR_GATE = "g = -exp(A_log) * softplus(a + dt_bias)"
+# KDA's gate (Kimi-Linear): one log-decay per key channel, a from a low-rank projection per channel.
+PER_KEY_GATE = "g[..., c] = -exp(A_log) * softplus(a[..., c] + dt_bias[c]) per key channel c"
 LAYER_KINDS = ("linear_attention", "full_attention")
 
 
@@ -56,6 +58,7 @@ class GDNFamily:
     section: Callable[[dict, str], dict] | None = None
     # The gate and the tensors it reads, by the names the checkpoint's GDN layer gives them.
     gate: str = SCALAR_GATE
+    gate_kind: str = "scalar"                   # scalar: g [B,T,Hv]; per_key: KDA's g [B,T,Hv,K] (docs/kda.md)
     gate_params: tuple[str, ...] = ("A_log", "dt_bias")
     gate_projection: str = "a_proj"             # the projection whose output is `a`
     # How the family's GDN layer calls the kernel.
@@ -72,6 +75,8 @@ class GDNFamily:
             raise ValueError(f"family {self.name!r} names no model_type")
         if self.state_layout not in STATE_LAYOUTS:
             raise ValueError(f"family {self.name!r}: state_layout={self.state_layout!r} is not one of {STATE_LAYOUTS}")
+        if self.gate_kind not in GATE_KINDS:
+            raise ValueError(f"family {self.name!r}: gate_kind={self.gate_kind!r} is not one of {GATE_KINDS}")
         if self.calls not in ("transformers", "fla"):
             raise ValueError(f"family {self.name!r}: calls={self.calls!r} must be 'transformers' or 'fla'")
         unknown = sorted(set(self.transformers_layers) - set(self.model_types))
@@ -85,7 +90,10 @@ class GDNFamily:
                 else f"g precomputed ({self.gate})")
         beta = "raw b (use_beta_sigmoid_in_kernel=True)" if self.beta_sigmoid_in_kernel else "beta after its sigmoid"
         state = "state [N,Hv,V,K] (state_v_first=True)" if self.state_layout == "vk" else "state [N,Hv,K,V]"
-        op = "FLA's chunk_gated_delta_rule" if self.calls == "fla" else "transformers' torch_chunk_gated_delta_rule"
+        if self.gate_kind == "per_key":
+            op = "FLA's chunk_kda" if self.calls == "fla" else "transformers' chunk_kimi_delta_attention (KDA)"
+        else:
+            op = "FLA's chunk_gated_delta_rule" if self.calls == "fla" else "transformers' torch_chunk_gated_delta_rule"
         return f"{op}: {gate}; {beta}; {state}"
 
 
@@ -93,10 +101,14 @@ _FAMILIES: dict[str, GDNFamily] = {}
 
 
 def register_family(family: GDNFamily, replace: bool = False) -> GDNFamily:
-    """Add a family to the registry parse_model_config walks. A model_type another family covers
-    is refused unless replace=True (then that family is dropped first). The transformers route
+    """Add a family to the registry parse_model_config walks. A name already registered, or a
+    model_type another family covers, is refused unless replace=True (then that family is dropped
+    first). The transformers route
     (flashqla_tune.integrations.transformers) reads the registry when it is imported; a family
     registered later reaches it through that module's register_family."""
+    if family.name in _FAMILIES and _FAMILIES[family.name] is not family and not replace:
+        raise ValueError(f"a family named {family.name!r} is registered already (model types "
+                         f"{list(_FAMILIES[family.name].model_types)}); pass replace=True to replace it")
     taken = {t: f.name for f in _FAMILIES.values() for t in f.model_types if f.name != family.name}
     clash = sorted(t for t in family.model_types if t in taken)
     if clash and not replace:
@@ -230,6 +242,7 @@ def read_family_config(family: GDNFamily, cfg: dict, model_type: str) -> ModelGD
         head_k_dim=count(values, family.head_k_dim, where),
         head_v_dim=count(values, family.head_v_dim, where),
         qkv_dtype=_kernel_dtype(dtype),
+        gate_kind=family.gate_kind,
         state_layout=family.state_layout,
         qk_l2norm_in_kernel=family.qk_l2norm_in_kernel,
         beta_max=2.0 if neg_eigval else 1.0,
@@ -369,3 +382,46 @@ register_family(GDNFamily(
     fill=_olmo_hybrid_fill, default_layer_types=_olmo_hybrid_layer_types,
     transformers_layers={"olmo_hybrid": ("transformers.models.olmo_hybrid.modeling_olmo_hybrid",
                                          "OlmoHybridGatedDeltaNet")}))
+
+
+def _kimi_linear_fill(cfg: dict, where: str) -> dict:
+    """KimiLinearConfig's reading: a checkpoint's linear_attn_config (head_dim, num_heads,
+    short_conv_kernel_size, and the 1-indexed full_attn_layers / kda_layers) takes precedence over
+    the top-level linear_* fields; without layer_types or those lists, every fourth layer from
+    layer 4 on (0-indexed 4, 8, ...) is full attention."""
+    out = dict(cfg)
+    nested = out.get("linear_attn_config") or {}
+    if not isinstance(nested, dict):
+        raise ConfigError(f"{where} config: linear_attn_config={nested!r} must be an object")
+    for key, name in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
+                      ("short_conv_kernel_size", "linear_conv_kernel_dim")):
+        if key in nested:
+            out[name] = nested[key]
+    if out.get("layer_types") is None:
+        num_layers = count(out, "num_hidden_layers", where)
+        if "full_attn_layers" in nested and "kda_layers" in nested:
+            types: list = [None] * num_layers
+            for kind, key in (("full_attention", "full_attn_layers"), ("linear_attention", "kda_layers")):
+                for layer in nested[key]:
+                    if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer <= num_layers:
+                        raise ConfigError(f"{where} config: linear_attn_config.{key} holds {layer!r}; its "
+                                          f"entries are decoder layers 1..{num_layers} (1-indexed)")
+                    types[layer - 1] = kind
+            out["layer_types"] = types
+        else:
+            out["layer_types"] = ["full_attention" if i and i % 4 == 0 else "linear_attention"
+                                  for i in range(num_layers)]
+    return out
+
+
+register_family(GDNFamily(
+    name="kimi_linear", label="Kimi-Linear", model_types=("kimi_linear",),
+    num_qk_heads="linear_num_heads", num_v_heads="linear_num_heads",
+    head_k_dim="linear_head_dim", head_v_dim="linear_head_dim", conv_kernel_size="linear_conv_kernel_dim",
+    defaults={"linear_head_dim": 128, "linear_num_heads": 32, "linear_conv_kernel_dim": 4, "hidden_size": 2304,
+              "num_hidden_layers": 27},
+    fill=_kimi_linear_fill,
+    # KimiLinearDeltaAttention: the gate's input a is forget_gate.f_b_proj(f_a_proj(x)), one per key
+    # channel; beta = sigmoid(b_proj(x)); q/k l2-normalised in the kernel. No transformers_layers:
+    # the transformers route has no KDA op to hand these layers (docs/kda.md).
+    gate=PER_KEY_GATE, gate_kind="per_key", gate_projection="forget_gate.f_b_proj"))

@@ -82,9 +82,24 @@ def heads_problem(num_qk_heads: int, num_v_heads: int) -> str | None:
     return None
 
 
-def spec_problem(spec: GDNSpec) -> str | None:
-    """Why no kernel is built for spec, naming the value; None when the table supports it."""
+def gate_kind_problem(gate_kind: str) -> str | None:
+    """Why no kernel takes gate_kind; a per-key-channel gate (KDA) is named as such: its kernels
+    are a family of their own (docs/kda.md)."""
     t = SUPPORTED
+    if gate_kind in t.gate_kinds:
+        return None
+    if gate_kind == "per_key":
+        return (f"gate_kind='per_key' is KDA's gate (one log-decay per key channel, g [B,T,H,K]): {t.what} "
+                f"have the {_listed(t.gate_kinds)} gate only; the KDA kernels are not built yet (docs/kda.md)")
+    return f"unsupported gate_kind={gate_kind!r}: {t.what} have the {_listed(t.gate_kinds)} gate"
+
+
+def spec_problem(spec: GDNSpec) -> str | None:
+    """Why no kernel is built for spec, naming the value; None when the table supports it. A
+    per-key gate is named first: no dims or heads make it run."""
+    t = SUPPORTED
+    if spec.gate_kind == "per_key":
+        return gate_kind_problem(spec.gate_kind)
     problem = head_dims_problem(spec.head_k_dim, spec.head_v_dim) or heads_problem(spec.num_qk_heads,
                                                                                    spec.num_v_heads)
     if problem:
@@ -92,7 +107,7 @@ def spec_problem(spec: GDNSpec) -> str | None:
     if spec.chunk_size not in t.chunk_sizes:
         return f"unsupported chunk_size={spec.chunk_size}: {t.what} use {_listed(t.chunk_sizes)}"
     if spec.gate_kind not in t.gate_kinds:
-        return f"unsupported gate_kind={spec.gate_kind!r}: {t.what} have the {_listed(t.gate_kinds)} gate"
+        return gate_kind_problem(spec.gate_kind)
     if spec.qkv_dtype not in t.qkv_dtypes:
         return f"unsupported qkv_dtype={spec.qkv_dtype!r}: {t.what} take {_listed(t.qkv_dtypes)}"
     if spec.state_layout not in t.state_layouts:
@@ -128,11 +143,16 @@ def check_checkpoint_dtype(model, qkv_dtype: str | None = None, where: str = "")
 def check_model(model, where: str = "") -> None:
     """A checkpoint's GDN facts (model_config.ModelGDNConfig): it has GDN layers and the table
     supports its spec."""
+    prefix = f"{where}: " if where else ""
     if not model.gdn_layers:
-        raise UnsupportedShapeError(f"{where + ': ' if where else ''}the model has no GDN (linear_attention) layers")
+        raise UnsupportedShapeError(f"{prefix}the model has no GDN (linear_attention) layers")
+    if model.spec.gate_kind == "per_key":
+        raise UnsupportedShapeError(f"{prefix}family {model.family} (model_type {model.model_type!r}) is a KDA "
+                                    f"model, {len(model.gdn_layers)} KDA of {model.num_layers} layers; "
+                                    + gate_kind_problem(model.spec.gate_kind))
     check_spec(model.spec, where)
 
 
 __all__ = ["CHUNK_SIZE", "MAX_WINDOW_CHUNKS", "SUPPORTED", "ShapeTable", "UnsupportedShapeError",
-           "check_checkpoint_dtype", "check_model", "check_spec", "dtype_problem", "head_dims_problem",
-           "heads_problem", "is_count", "spec_problem"]
+           "check_checkpoint_dtype", "check_model", "check_spec", "dtype_problem", "gate_kind_problem",
+           "head_dims_problem", "heads_problem", "is_count", "spec_problem"]

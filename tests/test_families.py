@@ -47,7 +47,7 @@ def olmo_hybrid_config(**changes) -> dict:
 
 def test_every_registered_family_has_a_calibration_adapter_and_its_own_model_types():
     names = [f.name for f in families()]
-    assert names == ["qwen3_next", "qwen3_5", "fla_gated_deltanet", "olmo_hybrid"]
+    assert names == ["qwen3_next", "qwen3_5", "fla_gated_deltanet", "olmo_hybrid", "kimi_linear"]
     for family in families():
         assert family.name in ADAPTERS, family.name
         assert family_named(family.name) is family
@@ -105,6 +105,9 @@ def test_a_model_type_of_another_family_or_a_bad_record_is_refused():
     with pytest.raises(ValueError, match=r"\['qwen3_next'\] belong to family 'qwen3_next'"):
         register_family(toy_family(model_types=("toy_gdn", "qwen3_next")))
     assert model_config.family_of("toy_gdn") is None
+    with pytest.raises(ValueError, match="a family named 'qwen3_next' is registered already"):
+        register_family(toy_family(name="qwen3_next", model_types=("my_model",)))
+    assert model_config.family_named("qwen3_next").model_types == ("qwen3_next",)
     with pytest.raises(ValueError, match="state_layout='vkv'"):
         toy_family(state_layout="vkv")
     with pytest.raises(ValueError, match=r"transformers_layers names model_type\(s\) \['other'\]"):

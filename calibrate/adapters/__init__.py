@@ -16,6 +16,7 @@ ADAPTERS = {
     "qwen3_5": "qwen3_5:Qwen35Adapter",
     "fla_gated_deltanet": "fla_gdn:FLAGatedDeltaNetAdapter",
     "olmo_hybrid": "olmo_hybrid:OlmoHybridAdapter",
+    "kimi_linear": "kimi_linear:KimiLinearAdapter",
 }
 
 
