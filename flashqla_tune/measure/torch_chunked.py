@@ -4,68 +4,15 @@ A0, the decay masks, the intra-chunk products) runs batched over every chunk of 
 and head at once; only the state recurrence loops, one step per chunk position, with all
 sequences that still have a chunk at that position in lockstep.
 
-No host syncs when cu_seqlens_cpu is given (the chunk layout comes from the host copy and is
-cached per (lengths, device)), so the whole call can be captured in a CUDA graph."""
+No host syncs when cu_seqlens_cpu is given (the chunk layout, backward.chunked_torch's grid,
+comes from the host copy and is cached per (lengths, device)), so the whole call can be captured in a CUDA graph."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
+from ..backward.chunked_torch import chunk_grid, to_chunks
 from ..oracle.chunked import CHUNK, decay_mask, gate_free_inverse
 from ..oracle.common import l2_normalize
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    """Where every token sits in the padded [num_chunks, CHUNK] layout, and which chunks run at
-    each step of the recurrence."""
-    num_seqs: int
-    num_chunks: int
-    token_slot: torch.Tensor  # [T] slot (chunk * CHUNK + offset) of each real token
-    slot_token: torch.Tensor  # [num_chunks * CHUNK] token of each slot, or T (a zero pad row)
-    steps: tuple  # per step: (seq indices or None when all run, chunk indices)
-
-
-_LAYOUTS: dict = {}
-
-
-def chunk_layout(bounds: tuple[int, ...], device) -> ChunkLayout:
-    """Layout for offsets `bounds` (host ints), cached so repeated and graph-captured calls do
-    no host-to-device copies."""
-    key = (bounds, str(device))
-    if key in _LAYOUTS:
-        return _LAYOUTS[key]
-    lens = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
-    if any(n < 0 for n in lens):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(bounds)}")
-    nchunks = [(n + CHUNK - 1) // CHUNK for n in lens]
-    first = [sum(nchunks[:i]) for i in range(len(lens))]
-    total = sum(nchunks)
-    T = bounds[-1]
-    token_slot = torch.empty(T, dtype=torch.int64)
-    slot_token = torch.full((total * CHUNK,), T, dtype=torch.int64)
-    for s, (start, n) in enumerate(zip(bounds[:-1], lens)):
-        slots = torch.arange(n) + first[s] * CHUNK
-        token_slot[start:start + n] = slots
-        slot_token[slots] = torch.arange(start, start + n)
-    steps = []
-    for j in range(max(nchunks, default=0)):
-        seqs = [s for s in range(len(lens)) if nchunks[s] > j]
-        chunks = torch.tensor([first[s] + j for s in seqs], dtype=torch.int64, device=device)
-        all_run = len(seqs) == len(lens)
-        steps.append((None if all_run else torch.tensor(seqs, dtype=torch.int64, device=device), chunks))
-    layout = ChunkLayout(len(lens), total, token_slot.to(device), slot_token.to(device), tuple(steps))
-    _LAYOUTS[key] = layout
-    return layout
-
-
-def _to_chunks(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-    """[T, H, D...] -> [num_chunks, H, CHUNK, D...], pad slots zero (zero k, v, beta and g leave
-    the state unchanged, so tails need no masking)."""
-    padded = torch.cat([x, x.new_zeros((1,) + x.shape[1:])])[layout.slot_token]
-    padded = padded.view(layout.num_chunks, CHUNK, *x.shape[1:])
-    return padded.transpose(1, 2)
 
 
 def chunk_gated_delta_rule_torch(
@@ -89,7 +36,7 @@ def chunk_gated_delta_rule_torch(
         bounds = tuple(int(x) for x in host.tolist())
         if bounds[0] != 0 or bounds[-1] != T:
             raise ValueError(f"cu_seqlens must run from 0 to T={T}, got {list(bounds)}")
-    layout = chunk_layout(bounds, v.device)
+    layout = chunk_grid(bounds, v.device)
     N = layout.num_seqs
     scale = K ** -0.5 if scale is None else scale
     dt = compute_dtype
@@ -102,11 +49,11 @@ def chunk_gated_delta_rule_torch(
     if use_qk_l2norm_in_kernel:
         qf, kf = l2_normalize(qf), l2_normalize(kf)
     # v-head h reads q/k head h // group
-    qc = _to_chunks(qf, layout).repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
-    kc = _to_chunks(kf, layout).repeat_interleave(group, dim=1)
-    vc = _to_chunks(flat(v), layout)  # [NC, Hv, C, V]
-    gc = _to_chunks(flat(g), layout)  # [NC, Hv, C]
-    bc = _to_chunks(flat(beta), layout)
+    qc = to_chunks(qf, layout).repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
+    kc = to_chunks(kf, layout).repeat_interleave(group, dim=1)
+    vc = to_chunks(flat(v), layout)  # [NC, Hv, C, V]
+    gc = to_chunks(flat(g), layout)  # [NC, Hv, C]
+    bc = to_chunks(flat(beta), layout)
 
     gamma = gc.cumsum(-1)
     gamma_last = gamma[..., -1]

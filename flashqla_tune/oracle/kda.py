@@ -29,7 +29,7 @@ import torch
 from .chunked import CHUNK, head_major
 from .common import check_shapes, prepare_inputs, sequence_bounds, state_from_kv, state_to_kv
 from .recurrent import recurrent_gated_delta_rule
-from .segmented import EXACT
+from .segmented import EXACT, segment_table
 
 # Kimi-Linear's lower bound on the gate where a model sets one (g in (lower_bound, 0)).
 KIMI_LOWER_BOUND = -5.0
@@ -207,15 +207,7 @@ def segmented_kda(q, k, v, g, beta, boundaries, warmup, scale=None, initial_stat
     finals, inits, exact_inits, starts, stats, used = [], [], [], [], [], []
     for n, (b, start, end) in enumerate(seqs):
         length = end - start
-        cuts = [int(x) for x in boundaries[n]]
-        if any(c <= 0 or c >= length or c % chunk_size for c in cuts) or cuts != sorted(set(cuts)):
-            raise ValueError(f"sequence {n} (length {length}): boundaries {cuts} must be increasing, "
-                             f"inside (0, {length}) and multiples of {chunk_size}")
-        table = torch.as_tensor(warmup[n], dtype=torch.int64)
-        if tuple(table.shape) != (len(cuts) + 1, Hv):
-            raise ValueError(f"sequence {n}: warmup shape {tuple(table.shape)}, expected {(len(cuts) + 1, Hv)}")
-        if ((table == 0) | (table < EXACT)).any():
-            raise ValueError(f"sequence {n}: warmup entries must be >= 1 or {EXACT} (exact)")
+        cuts, table = segment_table(n, length, boundaries[n], warmup[n], Hv, chunk_size)
         h0 = _initial(initial_state, n, Hv, K, V, state_v_first, v.device)
         seq = head_major(q, k, v, g, beta, b, start, end)
         edges = [0] + cuts + [length]

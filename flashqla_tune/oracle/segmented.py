@@ -29,6 +29,22 @@ from .common import check_shapes, prepare_inputs, sequence_bounds, state_from_kv
 EXACT = -1
 
 
+def segment_table(n: int, length: int, boundaries, warmup, Hv: int, chunk_size: int = CHUNK):
+    """Sequence n's cut positions and its [segments, Hv] warm-up table, checked: cuts increasing,
+    inside (0, length) and multiples of chunk_size; entries >= 1 or EXACT."""
+    cuts = [int(x) for x in boundaries]
+    if any(c <= 0 or c >= length or c % chunk_size for c in cuts) or cuts != sorted(set(cuts)):
+        raise ValueError(f"sequence {n} (length {length}): boundaries {cuts} must be increasing, "
+                         f"inside (0, {length}) and multiples of {chunk_size}")
+    table = torch.as_tensor(warmup, dtype=torch.int64)
+    if tuple(table.shape) != (len(cuts) + 1, Hv):
+        raise ValueError(f"sequence {n}: warmup shape {tuple(table.shape)}, expected {(len(cuts) + 1, Hv)}")
+    if ((table == 0) | (table < EXACT)).any():
+        raise ValueError(f"sequence {n}: warmup entries must be >= 1 or {EXACT} (exact)")
+    return cuts, table
+
+
+
 @dataclass
 class SegmentedResult:
     o: torch.Tensor                      # [B, T, Hv, V] float64
@@ -80,15 +96,7 @@ def segmented_gated_delta_rule(
     finals, inits, used = [], [], []
     for n, (b, start, end) in enumerate(seqs):
         length = end - start
-        cuts = [int(x) for x in boundaries[n]]
-        if any(c <= 0 or c >= length or c % chunk_size for c in cuts) or cuts != sorted(set(cuts)):
-            raise ValueError(f"sequence {n} (length {length}): boundaries {cuts} must be increasing, "
-                             f"inside (0, {length}) and multiples of {chunk_size}")
-        table = torch.as_tensor(warmup[n], dtype=torch.int64)
-        if tuple(table.shape) != (len(cuts) + 1, Hv):
-            raise ValueError(f"sequence {n}: warmup shape {tuple(table.shape)}, expected {(len(cuts) + 1, Hv)}")
-        if ((table == 0) | (table < EXACT)).any():
-            raise ValueError(f"sequence {n}: warmup entries must be >= 1 or {EXACT} (exact)")
+        cuts, table = segment_table(n, length, boundaries[n], warmup[n], Hv, chunk_size)
         h0 = (torch.zeros(Hv, K, V, dtype=torch.float64, device=v.device) if initial_state is None
               else state_to_kv(initial_state[n].to(torch.float64), state_v_first))
         seq = head_major(q, k, v, g, beta, b, start, end)
@@ -204,15 +212,7 @@ def segmented_state_gradient(
     dh0s, ends, exact_ends, window_ends, used = [], [], [], [], []
     for n, (b, start, end) in enumerate(seqs):
         length = end - start
-        cuts = [int(x) for x in boundaries[n]]
-        if any(c <= 0 or c >= length or c % chunk_size for c in cuts) or cuts != sorted(set(cuts)):
-            raise ValueError(f"sequence {n} (length {length}): boundaries {cuts} must be increasing, "
-                             f"inside (0, {length}) and multiples of {chunk_size}")
-        table = torch.as_tensor(warmup[n], dtype=torch.int64)
-        if tuple(table.shape) != (len(cuts) + 1, Hv):
-            raise ValueError(f"sequence {n}: warmup shape {tuple(table.shape)}, expected {(len(cuts) + 1, Hv)}")
-        if ((table == 0) | (table < EXACT)).any():
-            raise ValueError(f"sequence {n}: warmup entries must be >= 1 or {EXACT} (exact)")
+        cuts, table = segment_table(n, length, boundaries[n], warmup[n], Hv, chunk_size)
         dS_T = (torch.zeros(Hv, K, V, dtype=torch.float64, device=v.device) if dht is None
                 else state_to_kv(dht[n].to(torch.float64), state_v_first))
         seq = (*head_major(q, k, v, g, beta, b, start, end), do[b, start:end].transpose(0, 1))
