@@ -38,6 +38,17 @@
 #   bash benchmarks/h200_steps.sh kernel-split ARGS   benchmarks/kernel_split.py with ARGS (--heads,
 #                                              --seqlens, --impl): $OUT/kernel_split.json and .log
 #                                              (published: docs/results/kernel-split.json)
+#   bash benchmarks/h200_steps.sh backward-tests   tests/test_gpu_backward.py (FLA's reference errors from its
+#                                              Triton kernels with its TileLang chunk_bwd_dqkwg, FlashQLA's
+#                                              backend off): $OUT/gpu_tests_backward.log
+#                                              (published: docs/results/gpu-tests-backward.log)
+#   bash benchmarks/h200_steps.sh backward-bench [ARGS]   benchmarks/backward_bench.py --prewarm with ARGS
+#                                              (--heads, --seqlens, --impl, --fla-dispatch, --budget-s): forward
+#                                              plus backward of ours, FlashQLA, FLA: $OUT/bwd/backward_bench.{json,md}
+#   bash benchmarks/h200_steps.sh train-compare [ARGS]   (carry [".whl-bench", ".whl-hf"] instead: transformers,
+#                                              no FLA) benchmarks/train_compare.py with ARGS: the shipped model's
+#                                              architecture trained on our op and on the float32 PyTorch path:
+#                                              $OUT/train/train_compare.{json,log,png}
 # Packs and the tuner: benchmarks/h200_pack.sh. Nsight Compute: tools/h200_ncu.sh.
 set -uo pipefail
 OUT=${OUT:-/tmp/steps_out}
@@ -45,8 +56,10 @@ mkdir -p "$OUT"
 STEP=${1:-tests}
 case "$STEP" in
   setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split|flashinfer-stage|flashinfer-rows|cold-start) ;;
+  backward-tests|backward-bench|train-compare) ;;
   *) echo "unknown step '$STEP' (setup | tests | tests-x2 | gpu-tests | half | pair-score | join | host |" \
-       "host-ab | kernel-split | flashinfer-stage | flashinfer-rows | cold-start)" >&2
+       "host-ab | kernel-split | flashinfer-stage | flashinfer-rows | cold-start | backward-tests |" \
+       "backward-bench | train-compare)" >&2
      exit 2 ;;
 esac
 
@@ -71,7 +84,8 @@ if [ "$STEP" = flashinfer-stage ]; then  # copies and unpacks only: no install o
   exit $?
 fi
 # .whl-bench (no optuna storage wheels) keeps [wheels, .anchors] under the 64 MiB a call carries
-device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" || exit 1
+# .whl-hf (transformers) is installed too when a step carries it (train-compare)
+device_setup "$( [ -d .whl-bench ] && echo .whl-bench || echo .whl )" $( [ -d .whl-hf ] && echo .whl-hf ) || exit 1
 export FLA_DISABLE_BACKEND_DISPATCH=1
 
 # The scoreboard's two halves of three head configurations each: one GPU's share in OUT/gpuN (the
@@ -191,4 +205,21 @@ case "$STEP" in
   kernel-split)
     timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P benchmarks/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
     echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;
+  backward-tests)
+    # FLA's Triton chunk_bwd_dqkwg raises on Hopper with Triton < 3.7.1 unless its TileLang backend
+    # serves it, which needs FLA's dispatch on; FLA_FLASH_QLA=0 keeps FLA's whole op from going to FlashQLA.
+    FLA_DISABLE_BACKEND_DISPATCH=0 FLA_FLASH_QLA=0 timeout "${TESTS_TIMEOUT_S:-400}" python3 -m pytest -q -s -m gpu \
+      tests/test_gpu_backward.py -p no:cacheprovider --durations=0 > "$OUT/gpu_tests_backward.log" 2>&1
+    echo "backward-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests_backward.log" | tail -n 2
+    grep -E "^FAILED" "$OUT/gpu_tests_backward.log" | head -n 12 | cut -c1-300 || true ;;
+  backward-bench)
+    # the script sets FLA's environment itself (--fla-dispatch) before it imports FLA
+    timeout "${BWD_TIMEOUT_S:-560}" python3 -P benchmarks/backward_bench.py "$OUT/bwd" --prewarm "${@:2}" \
+      > "$OUT/backward_bench.log" 2>&1
+    echo "backward-bench rc=$?"; grep -E "skipping|geomean|prewarm:|graph replay|-> " "$OUT/backward_bench.log" | cut -c1-400
+    grep -A7 "^## One GDN layer" "$OUT/bwd/backward_bench.md" 2>/dev/null || true ;;
+  train-compare)
+    timeout "${TRAIN_TIMEOUT_S:-560}" python3 -P benchmarks/train_compare.py --out "$OUT/train" "${@:2}" \
+      > "$OUT/train_compare_run.log" 2>&1
+    echo "train-compare rc=$?"; grep -E "tokens/s|max \|MA gap\||-> " "$OUT/train/train_compare.log" | cut -c1-300 ;;
 esac
