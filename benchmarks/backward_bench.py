@@ -18,7 +18,7 @@ returned, then autograd's backward from (do, dht). Per implementation and row:
   allocated before the step (inputs and gradients from earlier steps are freed first);
 - on rows of at most --accuracy-max-tokens tokens, the relative L2 of dq, dk, dv, dg, dbeta and
   dh0 against float64 autograd of the chunked float64 forward (oracle.gradients, form "chunked"),
-  with the issue's ceilings (below 2e-2; 5e-2 for dbeta and dg);
+  with the gradient ceilings (CEILING: below 2e-2; 5e-2 for dbeta and dg);
 - the reason, when a library is missing or fails on the row (the row goes on without it).
 Also the one-layer figure: 16/32 heads on 1x32768, ms and tokens per second of the step (the
 row's own numbers when it is in the grid, else timed after the grid). --graph adds the median

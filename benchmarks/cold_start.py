@@ -44,7 +44,8 @@ elif impl == "flashinfer":  # as vLLM calls it: packed [T, H, D], decay exp(g), 
 
     def call(q, k, v, g, beta, **options):
         cu = torch.tensor([0, q.shape[1]], dtype=torch.int32, device=q.device)
-        o, state = flashinfer_gdn(q[0], k[0], v[0], g[0].exp(), beta[0], cu_seqlens=cu, **options)
+        o, state = flashinfer_gdn(q[0], k[0], v[0], g[0].exp(), beta[0], cu_seqlens=cu, backend="auto",
+                                  use_cp="auto", **options)
         return o.unsqueeze(0), state
     kw = {}
 else:

@@ -45,7 +45,6 @@ class KimiLinearAdapter(TransformersQwenAdapter):
     family = "kimi_linear"
     decoder_layer_cls = "KimiLinearDecoderLayer"
     gate_proj = "forget_gate.f_b_proj"
-    per_key_gate = True            # load_layer's gates are [B, T, Hv, K]
 
     def __init__(self, *args, **kwargs):
         self.modeling = _modeling()
