@@ -388,6 +388,8 @@ def graph_ms(impl: StepImpl, case, seed: int) -> dict:
 
 def prewarm(heads, seqlens, impl_names, fla_mode: str, timeout_s: float, log) -> str:
     """One child process per head configuration runs each row's step once (compiles, in parallel)."""
+    from flashqla_tune.bench.prewarm import wait_for
+
     t0 = time.perf_counter()
     procs = []
     for hq, hv in heads:
@@ -399,18 +401,7 @@ def prewarm(heads, seqlens, impl_names, fla_mode: str, timeout_s: float, log) ->
             cmd += ["--impl", name]
         procs.append((f"{hq}/{hv}", subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                                      env={**os.environ, "FLA_CACHE_RESULTS": "0"})))
-    problems = []
-    for heads_label, proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            problems.append(f"{heads_label} timed out")
-        if proc.returncode:
-            problems.append(f"{heads_label} rc={proc.returncode}")
-        for line in (out or "").splitlines()[-20:]:
-            log(f"[prewarm {heads_label}] {line}")
+    problems = wait_for(procs, t0 + timeout_s, log, tail=20)
     took = f"{len(procs)} processes, {time.perf_counter() - t0:.0f} s"
     return took + (f"; {', '.join(problems)}" if problems else "")
 

@@ -15,14 +15,13 @@ so a transformers without Kimi-Linear fails here with a CalibrationError, not at
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 
 import torch
 
 from ...calibration_settings import CalibrationError
-from .torch_layer_math import check_torch_only, pinned_torch_path
+from .torch_layer_math import pinned_torch_path
 from .transformers_qwen import TransformersQwenAdapter
 
 MODELING = "transformers.models.kimi_linear.modeling_kimi_linear"
@@ -31,24 +30,11 @@ _EXPERT_PART = re.compile(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _modeling():
-    try:
-        return importlib.import_module(MODELING)
-    except ImportError as exc:
-        import transformers
-
-        raise CalibrationError(f"transformers {transformers.__version__} has no Kimi-Linear ({MODELING}): "
-                               f"install one that has KimiLinearConfig") from exc
-
-
 class KimiLinearAdapter(TransformersQwenAdapter):
     family = "kimi_linear"
+    modeling_import = (MODELING, "Kimi-Linear", "KimiLinearConfig")
     decoder_layer_cls = "KimiLinearDecoderLayer"
     gate_proj = "forget_gate.f_b_proj"
-
-    def __init__(self, *args, **kwargs):
-        self.modeling = _modeling()
-        super().__init__(*args, **kwargs)
 
     def make_rotary(self):
         return None                # KimiLinearModel hands no position embeddings to its layers
@@ -97,12 +83,7 @@ class KimiLinearAdapter(TransformersQwenAdapter):
         return self._fuse_experts(out, layer)
 
     def load_layer(self, index: int):
-        with pinned_torch_path(self.modeling):
-            with torch.device("meta"):
-                layer = getattr(self.modeling, self.decoder_layer_cls)(self.config, index)
-            check_torch_only(layer, self.modeling, f"decoder layer {index}")
-        layer.load_state_dict(self._layer_state(index, layer), strict=True, assign=True)
-        layer.eval()
+        layer = self.build_layer(index)
         is_kda = index in self.model.gdn_layers
         captured: list[torch.Tensor] = []
         if is_kda:

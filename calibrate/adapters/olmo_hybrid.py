@@ -8,11 +8,8 @@ without OLMo-Hybrid fails here with a CalibrationError, not at import.
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from ...calibration_settings import CalibrationError
 from .transformers_qwen import TransformersQwenAdapter
 
 MODELING = "transformers.models.olmo_hybrid.modeling_olmo_hybrid"
@@ -21,24 +18,11 @@ CHECKPOINT_RENAMES = (("attention_layer_norm.", "input_layernorm."),
                       ("feedforward_layer_norm.", "post_attention_layernorm."))
 
 
-def _modeling():
-    try:
-        return importlib.import_module(MODELING)
-    except ImportError as exc:
-        import transformers
-
-        raise CalibrationError(f"transformers {transformers.__version__} has no OLMo-Hybrid ({MODELING}): "
-                               f"install one that has OlmoHybridConfig") from exc
-
-
 class OlmoHybridAdapter(TransformersQwenAdapter):
     family = "olmo_hybrid"
+    modeling_import = (MODELING, "OLMo-Hybrid", "OlmoHybridConfig")
     rotary_cls = "OlmoHybridRotaryEmbedding"
     gate_proj = "a_proj"
-
-    def __init__(self, *args, **kwargs):
-        self.modeling = _modeling()
-        super().__init__(*args, **kwargs)
 
     def decoder_layer_name(self, index: int) -> str:
         if index in self.model.gdn_layers:

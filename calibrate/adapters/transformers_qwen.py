@@ -11,6 +11,7 @@ never runs here.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 
@@ -27,14 +28,30 @@ FP32_PARAMS = ("A_log", "dt_bias")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def import_modeling(module: str, label: str, config_class: str):
+    """A transformers modeling module that only some versions have, or a CalibrationError naming it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        import transformers
+
+        raise CalibrationError(f"transformers {transformers.__version__} has no {label} ({module}): "
+                               f"install one that has {config_class}") from exc
+
+
 class TransformersQwenAdapter(GDNAdapter):
     modeling = None            # the transformers modeling module of the family
+    # A family whose modeling module only newer transformers have names it here instead, imported
+    # when the adapter is made: (module path, family label, its config class)
+    modeling_import: tuple[str, str, str] | None = None
     decoder_layer_cls = ""     # its decoder-layer class name
     rotary_cls = ""            # its rotary-embedding class name
     gate_proj = ""             # the projection whose output holds `a`
     expected_gate_params = ("A_log", "dt_bias")
 
     def __init__(self, *args, **kwargs):
+        if self.modeling_import is not None:
+            self.modeling = import_modeling(*self.modeling_import)
         super().__init__(*args, **kwargs)
         try:
             config = AutoConfig.from_pretrained(str(self.checkpoint))
@@ -148,13 +165,17 @@ class TransformersQwenAdapter(GDNAdapter):
                 kwargs[cache_name] = None
         return fn(**{k: v for k, v in kwargs.items() if k in params})
 
-    def load_layer(self, index: int):
+    def build_layer(self, index: int):
+        """Decoder layer `index` on its PyTorch code, with the checkpoint's weights, in eval mode."""
         with pinned_torch_path(self.modeling):
             with torch.device("meta"):
                 layer = getattr(self.modeling, self.decoder_layer_name(index))(self.config, index)
             check_torch_only(layer, self.modeling, f"decoder layer {index}")
         layer.load_state_dict(self._layer_state(index, layer), strict=True, assign=True)
-        layer.eval()
+        return layer.eval()
+
+    def load_layer(self, index: int):
+        layer = self.build_layer(index)
         is_gdn = index in self.model.gdn_layers
         captured: list[torch.Tensor] = []
         if is_gdn:

@@ -35,20 +35,29 @@ def prewarm_parallel(head_configs, seqlens, impl_names, timeout_s: float, log=pr
         env = {**os.environ, "FLA_CACHE_RESULTS": "0"}
         procs.append((f"{hq}/{hv}", subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                      text=True, env=env)))
-    failed = []
-    for heads, p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-            failed.append(f"{heads} timed out")
-        if p.returncode:
-            failed.append(f"{heads} rc={p.returncode}")
-        for line in (out or "").splitlines():
-            log(f"[prewarm {heads}] {line}")
+    failed = wait_for(procs, t0 + timeout_s, log)
     took = time.perf_counter() - t0
     return (f"{len(procs)} processes, {took:.0f} s wall" + (f"; problems: {', '.join(failed)}" if failed else ""))
+
+
+def wait_for(procs, deadline: float, log, tail: int | None = None) -> list[str]:
+    """Waits for (label, Popen with stdout piped) pairs until `deadline` (time.perf_counter), kills
+    what outlives it, logs each one's output as `[prewarm LABEL] line` (its last `tail` lines when
+    given) and returns the problems ("LABEL timed out", "LABEL rc=N")."""
+    problems = []
+    for label, proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            problems.append(f"{label} timed out")
+        if proc.returncode:
+            problems.append(f"{label} rc={proc.returncode}")
+        lines = (out or "").splitlines()
+        for line in lines[-tail:] if tail else lines:
+            log(f"[prewarm {label}] {line}")
+    return problems
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ import torch
 from .chunked import CHUNK, head_major
 from .common import check_shapes, prepare_inputs, sequence_bounds, state_from_kv, state_to_kv
 from .recurrent import recurrent_gated_delta_rule
-from .segmented import EXACT, segment_table
+from .segmented import EXACT, segment_table, segment_transition
 
 # Kimi-Linear's lower bound on the gate where a model sets one (g in (lower_bound, 0)).
 KIMI_LOWER_BOUND = -5.0
@@ -176,15 +176,6 @@ class KDASegmentedResult:
     used_warmup: list               # per sequence: bool [num_segments, Hv], True where a window was used
 
 
-def _segment_transition(k_s, g_s, b_s, chunk_size):
-    Hv, _, K = k_s.shape
-    M = torch.eye(K, dtype=k_s.dtype, device=k_s.device).expand(Hv, K, K)
-    for c0 in range(0, k_s.shape[1], chunk_size):
-        sl = slice(c0, c0 + chunk_size)
-        M = kda_chunk_transition(k_s[:, sl], g_s[:, sl], b_s[:, sl]) @ M
-    return M
-
-
 def segmented_kda(q, k, v, g, beta, boundaries, warmup, scale=None, initial_state=None,
                   use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, chunk_size=CHUNK,
                   guard_eps: float | None = None) -> KDASegmentedResult:
@@ -225,7 +216,8 @@ def segmented_kda(q, k, v, g, beta, boundaries, warmup, scale=None, initial_stat
             lo, hi = edges[s - 1], edges[s]
             prev = [x[:, lo:hi] for x in seq]
             _, H_prev = kda_run_chunks(torch.zeros_like(h0), *prev, scale, chunk_size)
-            chosen = _segment_transition(prev[1], prev[3], prev[4], chunk_size) @ S_init[-1] + H_prev
+            M_prev = segment_transition(prev[1], prev[3], prev[4], chunk_size, transition=kda_chunk_transition)
+            chosen = M_prev @ S_init[-1] + H_prev
             for h in range(Hv):
                 n_warm = int(table[s, h])
                 if n_warm == EXACT:

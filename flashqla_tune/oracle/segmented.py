@@ -68,12 +68,14 @@ def window_is_safe(k_w, g_w, b_w, guard_eps: float) -> bool:
     return bool(((bk2 >= 0) & (bk2 <= 2)).all())
 
 
-def _segment_transition(k_s, g_s, b_s, chunk_size):
+def segment_transition(k_s, g_s, b_s, chunk_size, transition=chunk_transition):
+    """The product of a segment's chunk transitions, [Hv, K, K], by `transition` per chunk (the
+    scalar gate's by default; KDA's takes the per-key gate)."""
     Hv, _, K = k_s.shape
     M = torch.eye(K, dtype=k_s.dtype, device=k_s.device).expand(Hv, K, K)
     for c0 in range(0, k_s.shape[1], chunk_size):
         sl = slice(c0, c0 + chunk_size)
-        M = chunk_transition(k_s[:, sl], g_s[:, sl], b_s[:, sl]) @ M
+        M = transition(k_s[:, sl], g_s[:, sl], b_s[:, sl]) @ M
     return M
 
 
@@ -108,7 +110,7 @@ def segmented_gated_delta_rule(
             prev = [x[:, lo:hi] for x in seq]
             # exact chaining through the previous segment's transition and zero-state end state
             _, H_prev = run_chunks(torch.zeros_like(h0), *prev, scale, chunk_size)
-            M_prev = _segment_transition(prev[1], prev[3], prev[4], chunk_size)
+            M_prev = segment_transition(prev[1], prev[3], prev[4], chunk_size)
             exact = M_prev @ S_init[-1] + H_prev
             # warm-up, per head with its own window
             chosen = exact.clone()
