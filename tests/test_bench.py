@@ -375,6 +375,13 @@ def test_join_makes_one_summary_of_two_halves_and_refuses_what_does_not_belong(t
     assert "joined from a.json" in joined["meta"]["notes"][-1] and "notes" not in first["meta"]
     with pytest.raises(ValueError, match="row 16/16 1x8192 is in both a.json and c.json"):
         report.join([first, first], ["a.json", "c.json"])
+    # a row one part did not reach is taken from the part that ran it, in either order
+    cut = _scoreboard_for_join([("8/32", "1x8192", 1.0, 1.0)])
+    cut["rows"][0].update(times={}, error=report.NOT_REACHED)
+    for parts, names in (([cut, second], ["cut.json", "b.json"]), ([second, cut], ["b.json", "cut.json"])):
+        rows = report.join(parts, names)["rows"]
+        assert [(r["seqlens"], bool(r["times"])) for r in rows if r["heads"] == "8/32"].count(("1x8192", True)) == 1
+        assert len(rows) == 2
     with pytest.raises(ValueError, match="b.json: versions .*2.10"):
         report.join([first, _scoreboard_for_join([], torch_version="2.10")], ["a.json", "b.json"])
     with pytest.raises(ValueError, match="b.json: GPU 'NVIDIA H100'"):

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from ..measure.cases import HEAD_LABELS
 
+# The error of a row the run did not reach before it was stopped
+NOT_REACHED = "not run: the run ended before this row (killed from outside, e.g. a time limit)"
+
 ANCHORS = ("fla", "flashqla", "flashinfer", "cudnn")  # the peers; a column only where measured
 BEST_PEER = "best peer"
 MODES = (("graph", "CUDA-graph replay (kernel time)"), ("eager", "eager (host overhead included)"))
@@ -205,19 +208,27 @@ def join(parts: list[dict], names: list[str]) -> dict:
     same("versions", lambda r: r["meta"]["environment"]["versions"])
     same("modes", lambda r: list(r["meta"]["modes"]))
     same("implementations", lambda r: sorted(r["impls"]))
-    rows, seen = [], {}
+    # A row a part did not reach (its time ran out) may be run by a later part, which takes its
+    # place; a row that two parts both ran is ambiguous.
+    rows, seen = {}, {}
     for name, part in zip(names, parts):
         for row in part["rows"]:
             key = (row["heads"], row["seqlens"])
-            if key in seen:
+            if key in seen and not _not_run(rows[key]):
+                if _not_run(row):
+                    continue
                 raise ValueError(f"row {key[0]} {key[1]} is in both {seen[key]} and {name}")
             seen[key] = name
-            rows.append(row)
+            rows[key] = row
     meta = json.loads(json.dumps(first["meta"]))  # a copy: the parts stay as read
     meta["notes"] = list(meta.get("notes", [])) + [
         "joined from " + ", ".join(f"{n} ({p['meta']['environment']['date']}, {len(p['rows'])} rows)"
                                    for n, p in zip(names, parts)) + "; ceilings are the first run's"]
-    return {"meta": meta, "impls": first["impls"], "rows": rows}
+    return {"meta": meta, "impls": first["impls"], "rows": list(rows.values())}
+
+
+def _not_run(row: dict) -> bool:
+    return not row.get("times") and row.get("error") == NOT_REACHED
 
 
 def write(results: dict, out_dir, stem: str = "scoreboard") -> tuple[Path, Path]:

@@ -19,7 +19,7 @@ PROTOCOL = ("q, k L2-normalised bf16; v bf16; g = logsigmoid(randn)/16 fp32, 25%
             "g = 0; beta = sigmoid(randn) fp32; h0 fp32; K = V = 128; varlen B = 1; output_final_state on; "
             "scale 1/sqrt(128); FLA with FLA_DISABLE_BACKEND_DISPATCH=1; under torch.no_grad()")
 
-NOT_REACHED = "not run: the run ended before this row (killed from outside, e.g. a time limit)"
+NOT_REACHED = report.NOT_REACHED
 
 
 def run(cases: list[Case], impls: list[Impl], skipped: dict[str, str], timer, *, modes=("graph", "eager"),
