@@ -63,6 +63,11 @@ typedef struct FqtGdnFwdArgs {
   // With warmup: how many of its entries are -1. Those heads chain exactly on every input (a
   // failed guard adds more), so the exact chain's launch sizes its column slices from it.
   int32_t exact_heads;
+  // FLA's in-kernel gate (a plan with gate_in_kernel): fp32 [Hv] A_log and dt_bias on the device,
+  // g = -exp(A_log) * softplus(g + dt_bias) per token; dt_bias may be null (no bias). A plan
+  // without it reads neither. Appended last: a library built before these fields reads none.
+  const float* a_log;
+  const float* dt_bias;
 } FqtGdnFwdArgs;
 
 // ABI version the library was built against (FQT_ABI_VERSION).

@@ -31,8 +31,12 @@
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <cub/block/block_scan.cuh>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
 #include <stdint.h>
 
+#include <type_traits>
+
+#include "gdn_gate_options.cuh"  // GateInputs, GateOptions: the guard reads g and beta as the prep does
 #include "gdn_grid_sync.cuh"
 #include "gdn_pipeline.cuh"
 #include "gdn_segment_policy.h"  // kSegmentBuckets, kMaxSegments, segment_chunks_for, segments_of
@@ -48,8 +52,8 @@ struct CpPlanArgs {
   const int64_t* cu_seqlens;
   const int32_t* segment_chunks;  // [kSegmentBuckets]
   const int32_t* warmup;          // [Hv]: n_h >= 1, or -1 (exact)
-  const float* g;                 // [T, Hv]
-  const float* beta;              // [T, Hv]
+  const float* g;                 // [T, Hv] as the caller passed it (raw with an in-kernel gate)
+  const float* beta;              // [T, Hv] as the caller passed it (raw with an in-kernel sigmoid)
   const void* k;                  // [T, Hqk, K] (the caller's, before any in-kernel norm)
   const float* initial_state;     // [N, Hv, state] or null
   float* final_state;             // [N, Hv, state] or null
@@ -71,6 +75,7 @@ struct CpPlanArgs {
   float log_eps;
   int32_t use_qk_l2norm;
   int32_t fused_segments;         // 1: no cp_segments_kernel ran; each job row plans (num_seqs <= kFusedSegmentSeqs)
+  GateInputs gates;               // A_log and dt_bias of an in-kernel gate (unread with precomputed gates)
 };
 
 // Segments sequence i asks for (at least one), at most S.
@@ -117,11 +122,29 @@ __global__ void __launch_bounds__(kPlanThreads) cp_segments_kernel(const CpPlanA
 
 // The guard over tokens [t0, t1) of v-head hv: the summed log-decay reaches log(eps) and every
 // token keeps 0 <= b ||k||^2 <= 2 (so each (I - b k k^T) is a contraction). NaN fails both.
+// g and b are the values the chunks use: Gates (gdn_gate_options.cuh) applies the call's in-kernel
+// gate and beta options to the inputs exactly as the prep does. With allow_neg_eigval, b is in
+// (0, 2), so the bound is checked on b ||k||^2 per token like any other beta: without the in-kernel
+// l2norm a token with b ||k||^2 > 2 fails the guard and its boundary is chained exactly; with it the
+// chunks use the normalised row rounded to Elem, whose ||k||^2 can exceed sum x^2 / (sum x^2 + eps)
+// by the rounding, so the guard takes normed_row_bound<Elem>() times that (a b near 2 then chains
+// exactly rather than rely on an expansion the rounding could leave).
 // A thread per token: it reads its k row as K / 8 16-byte pieces, all in flight at once, so a
 // window of up to Threads tokens costs one round of loads rather than one dependent load per token
 // (measurements: docs/kernel-notes.md).
 // The sums run in a fixed order (per thread, then an xor tree, then by warp): deterministic.
-template <class Elem, int Hqk, int Hv, int K, int Threads>
+// An upper bound on ||k||^2 / (sum x^2 / (sum x^2 + 1e-6)) for a row the prep normalises in the
+// kernel (gdn_prep.cuh prepare_qk_rows): its elements are rounded to Elem, each by a relative error
+// of at most u (2^-8 for bfloat16, 2^-11 for half), and the fp32 sums and rsqrtf add well below 2^-14.
+template <class Elem>
+constexpr float normed_row_bound() {
+  static_assert(std::is_same_v<Elem, cutlass::half_t> || std::is_same_v<Elem, cutlass::bfloat16_t>,
+                "q/k rows are half or bfloat16");
+  constexpr float u = std::is_same_v<Elem, cutlass::half_t> ? 0x1p-11f : 0x1p-8f;
+  return (1.f + u) * (1.f + u) * (1.f + 0x1p-14f);
+}
+
+template <class Elem, int Hqk, int Hv, int K, int Threads, class Gates>
 __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int hv) {
   static_assert(sizeof(Elem) == 2 && K % 8 == 0, "a k row is read as 16-byte pieces of eight elements");
   constexpr int kWarps = Threads / 32;
@@ -131,7 +154,7 @@ __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int 
   float decay = 0.f;
   bool ok = true;
   for (int64_t t = t0 + threadIdx.x; t < t1; t += Threads) {
-    const float beta = a.beta[t * Hv + hv], g = a.g[t * Hv + hv];  // issued first: in flight with k
+    const float b_in = a.beta[t * Hv + hv], g_in = a.g[t * Hv + hv];  // issued first: in flight with k
     // 16-byte aligned: k starts on a 16-byte boundary (runtime.tma_ready) and rows are K * 2 bytes
     const uint4* row = reinterpret_cast<const uint4*>(static_cast<const Elem*>(a.k) + (t * Hqk + hqk) * K);
     uint4 pieces[K / 8];
@@ -147,10 +170,13 @@ __device__ bool window_is_safe(const CpPlanArgs& a, int64_t t0, int64_t t1, int 
         sq = fmaf(x, x, sq);
       }
     }
-    const float norm2 = a.use_qk_l2norm ? sq / (sq + 1e-6f) : sq;  // the kernel's in-kernel norm
-    const float bk = beta * norm2;
+    float norm2 = a.use_qk_l2norm ? sq / (sq + 1e-6f) : sq;  // the kernel's in-kernel norm
+    if constexpr (Gates::NegEigval) {
+      if (a.use_qk_l2norm) norm2 *= normed_row_bound<Elem>();  // b up to 2: the rounding matters
+    }
+    const float bk = Gates::beta(b_in) * norm2;
     ok = ok && bk >= 0.f && bk <= 2.f;
-    decay += g;
+    decay += Gates::gate(g_in, a.gates, hv);
   }
   for (int off = 16; off > 0; off /= 2) decay += __shfl_xor_sync(0xffffffffu, decay, off);
   if (lane == 0) warp_sums[warp] = decay;
@@ -199,7 +225,7 @@ __device__ __forceinline__ SegmentOf plan_segment(const CpPlanArgs& a, int64_t z
 
 // The jobs of job row `row` = z * Hv + hv (segment z, v-head hv), by all Threads threads of the
 // calling CTA; the same for every CTA that calls it, so a CTA may take several rows in turn.
-template <class Elem, int Hqk, int Hv, int K, int V, int Threads>
+template <class Elem, int Hqk, int Hv, int K, int V, int Threads, class Gates>
 __device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
   static_assert(K == V, "a transition job (S = I) needs K = V");
   constexpr int64_t kState = int64_t(K) * V;
@@ -238,7 +264,8 @@ __device__ void plan_cp_jobs(const CpPlanArgs& a, int64_t row) {
         warm = true;
       } else if (nh > 0) {
         const int64_t w0 = c0 - nh;
-        warm = window_is_safe<Elem, Hqk, Hv, K, Threads>(a, r.start + w0 * kChunk, r.start + c0 * kChunk, hv);
+        warm = window_is_safe<Elem, Hqk, Hv, K, Threads, Gates>(a, r.start + w0 * kChunk, r.start + c0 * kChunk,
+                                                                hv);
         if (warm) window = CpJob{r.start + w0 * kChunk, nh * kChunk, r.slot0 + w0, nullptr, start_state, kJobNoOutput, 0};
       }
       if (!warm) {  // the previous segment's H and M; the chain kernel combines them

@@ -17,6 +17,7 @@
 #include "gdn_abi.h"
 #include "gdn_cp.cuh"
 #include "gdn_fwd_mainloop.cuh"
+#include "gdn_gate_options.cuh"
 #include "gdn_prep.cuh"
 #include "gdn_segment_policy.h"  // kMaxSequences, kMaxSegments
 
@@ -97,9 +98,17 @@ cudaError_t launch_programmatic(Kernel kernel, const FwdParams<Cfg>& fp, int64_t
                           Cfg::SmemBytes, fp, stream);
 }
 
+// The in-kernel gate's parameters of a call: read from the arguments only by a plan that computes
+// the gate (a caller built before these fields passes a struct without them).
+template <class Gates>
+GateInputs gate_inputs_of(const FqtGdnFwdArgs& a) {
+  if constexpr (Gates::GateInKernel) return GateInputs{a.a_log, a.dt_bias};
+  else return GateInputs{nullptr, nullptr};
+}
+
 // The context-parallel planning kernels' arguments: the call's inputs and tables, and where
 // their plan goes in the workspace.
-template <class Cfg>
+template <class Cfg, class Gates>
 CpPlanArgs cp_plan_args(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* base) {
   return CpPlanArgs{a.cu_seqlens,
                     a.segment_chunks,
@@ -125,7 +134,8 @@ CpPlanArgs cp_plan_args(const FqtGdnFwdArgs& a, const Workspace<Cfg>& ws, char* 
                     ws.segments,
                     a.log_eps,
                     a.use_qk_l2norm,
-                    a.num_seqs <= kFusedSegmentSeqs ? 1 : 0};
+                    a.num_seqs <= kFusedSegmentSeqs ? 1 : 0,
+                    gate_inputs_of<Gates>(a)};  // the guard reads g and beta as the prep does
 }
 
 // Column slices of the exact chain, one CTA each per (sequence, v-head). Only exact heads' CTAs
@@ -180,11 +190,15 @@ cudaError_t gdn_fwd_cp_launch(const FqtGdnFwdArgs& a, const CpPlanArgs& pa, FwdP
   return launch_programmatic<Cfg>(gdn_fwd_kernel<Cfg>, fp, 2 * S, stream);
 }
 
-template <class Cfg>
+// Gates: the plan's in-kernel gate and beta options (gdn_gate_options.cuh). Only the prep and the
+// guard read the call's g and beta; with an in-kernel gate a.a_log must be given.
+template <class Cfg, class Gates = PrecomputedGates>
 cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
   const int64_t T = a.total_tokens, N = a.num_seqs;
   if (N <= 0 || T < 0) return cudaErrorInvalidValue;
+  if (Gates::GateInKernel && a.a_log == nullptr) return cudaErrorInvalidValue;
+  const GateInputs gate_inputs = gate_inputs_of<Gates>(a);
   if (T == 0) return cudaSuccess;  // nothing to compute; final states are handled by the caller
   const bool cp = a.warmup != nullptr;
   if (cp && (a.segment_chunks == nullptr || a.max_segments < N || a.max_segments > kMaxSegments))
@@ -194,7 +208,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   char* base = static_cast<char*>(a.workspace);
 
   using PrepCfg = PrepConfig<Elem, Cfg::Hqk, Cfg::HeadK, Cfg::PrepThreads>;
-  auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads>;
+  auto prep = gdn_prep_kernel<Elem, Cfg::Hqk, Cfg::Hv, Cfg::HeadK, Cfg::PrepThreads, Gates>;
   auto main_kernel = gdn_fwd_kernel<Cfg>;
   // Once per device and plan (thread-safe): function attributes and occupancy belong to the
   // device's copy of the kernels, the SM count to the device.
@@ -269,6 +283,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
       a.use_qk_l2norm,
       overlap ? kChunkMajor : kSlotMajor,
       CpPlanArgs{},  // no job rows unless the call is context-parallel (below)
+      gate_inputs,
   };
   int64_t prep_ctas;
   if (overlap) {
@@ -285,7 +300,7 @@ cudaError_t gdn_fwd_launch(const FqtGdnFwdArgs& a, cudaStream_t stream) {
   prep_ctas = prep_ctas < pa.num_items ? prep_ctas : pa.num_items;
   CpPlanArgs cpa{};
   if (cp) {
-    cpa = cp_plan_args<Cfg>(a, ws, base);
+    cpa = cp_plan_args<Cfg, Gates>(a, ws, base);
     pa.cp = cpa;  // the prep's CTAs plan the jobs after their items
     if (!cpa.fused_segments) {  // many sequences: one CTA plans them all first (it reads only inputs)
       cp_segments_kernel<<<1, kPlanThreads, 0, stream>>>(cpa);

@@ -21,9 +21,10 @@
 // (gdn_fwd_host.cuh). In a context-parallel call the CTAs then plan the call's jobs (gdn_cp.cuh).
 //
 // The kernel body walks the items and composes the steps of one: PrepGates (the gates and betas,
-// scanned per v-head), prepare_qk_rows (tail rows, in-kernel l2norm), qk_products (K K^T and
-// Q K^T) and solve_head_batch (the solve for A0, then Aw and P); the shared memory is composed of
-// their storage, the q/k tiles' and the item decoder's (PrepSharedStorage, gdn_prep_storage.cuh).
+// with FLA's in-kernel gate and beta options applied (gdn_gate_options.cuh), scanned per v-head),
+// prepare_qk_rows (tail rows, in-kernel l2norm), qk_products (K K^T and Q K^T) and solve_head_batch
+// (the solve for A0, then Aw and P); the shared memory is composed of their storage, the q/k tiles'
+// and the item decoder's (PrepSharedStorage, gdn_prep_storage.cuh).
 // PrepConfig takes the head dim K as a template parameter (64, 128 or 256; the 128-thread form
 // needs K >= 128).
 #pragma once
@@ -35,6 +36,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "gdn_cp.cuh"
+#include "gdn_gate_options.cuh"
 #include "gdn_grid_sync.cuh"
 #include "gdn_pipeline.cuh"
 #include "gdn_prep_solve_mma.cuh"
@@ -214,6 +216,7 @@ struct PrepArgs {
   int use_qk_l2norm;
   int order;              // PrepOrder
   CpPlanArgs cp;          // a context-parallel call's plan (num_segments > 0): its job rows after the items
+  GateInputs gates;       // A_log and dt_bias of an in-kernel gate (unread with precomputed gates)
 };
 
 // cu is where the kernel keeps the call's offsets: shared memory for calls of up to
@@ -508,8 +511,10 @@ __device__ __forceinline__ void solve_head_batch(const Args& args, typename Prep
 
 // The prep's gates: per item and v-head, the gates and betas of its 64 rows, in-chunk scanned into
 // ss.gamma() / ss.beta() by one warp per v-head of a head batch (the first batch's copied ahead,
-// during the previous item).
-template <class Cfg, int Hv, int G>
+// during the previous item). Gates (gdn_gate_options.cuh) turns the caller's g and beta into the
+// values the chunks use (FLA's in-kernel gate and beta sigmoid) before the scan, on valid rows
+// only: padding rows keep g = 0, b = 0, which the rows past the sequence end rely on.
+template <class Cfg, int Hv, int G, class Gates>
 struct PrepGates {
   // Its part of the storage, reached through the kernel's (PrepSharedStorage::gamma() and the like).
   using SharedStorage = typename Cfg::SharedStorage::Gates;
@@ -539,6 +544,22 @@ struct PrepGates {
     }
     cute::cp_async_fence();
   }
+  // Rows [2 lane, 2 lane + 1] of v-head (hb + warp), read as the caller passed them, as the chunks
+  // use them: the in-kernel gate and beta options applied to the rows inside the sequence. By warps
+  // of the head batch only (the others have no v-head to read A_log and dt_bias of).
+  __device__ __forceinline__ void apply_options(const PrepItem& it, int hb, float (&g)[2], float (&b)[2]) const {
+    if constexpr (!Gates::Precomputed) {
+      const int warp = tid / 32, lane = tid % 32, hv = it.hqk * G + hb + warp;
+      const int rows = it.range.rows_in_chunk(it.chunk);
+      CUTE_UNROLL
+      for (int t = 0; t < 2; ++t) {
+        if (2 * lane + t < rows) {
+          g[t] = Gates::gate(g[t], args.gates, hv);
+          b[t] = Gates::beta(b[t]);
+        }
+      }
+    }
+  }
   // In-chunk cumulative log-decay and beta of head batch hb into shared memory (warps < nb).
   __device__ __forceinline__ void scan_gates(int nb, const float (&g)[2], const float (&b)[2]) const {
     const int warp = tid / 32, lane = tid % 32;
@@ -558,7 +579,7 @@ struct PrepGates {
   }
   // Step 0: the first head batch's gates, copied during the previous item, scanned. Each thread
   // reads only what it copied itself, so waiting for its own copies is enough.
-  __device__ __forceinline__ void scan_prefetched() const {
+  __device__ __forceinline__ void scan_prefetched(const PrepItem& it) const {
     cp_async_wait_all_then_access();
     const int warp = tid / 32, lane = tid % 32;
     float g[2] = {0.f, 0.f}, b[2] = {0.f, 0.f};
@@ -568,6 +589,7 @@ struct PrepGates {
         g[t] = ss.g_next()[warp][2 * lane + t];
         b[t] = ss.beta_next()[warp][2 * lane + t];
       }
+      apply_options(it, 0, g, b);
     }
     scan_gates(min(HeadBatch, G), g, b);
   }
@@ -582,12 +604,15 @@ struct PrepGates {
         g[t] = gs ? *gs : 0.f;
         b[t] = bs ? *bs : 0.f;
       }
+      apply_options(it, hb, g, b);
     }
     scan_gates(nb, g, b);
   }
 };
 
-template <class Elem, int Hqk, int Hv, int HeadK, int Threads>
+// Gates: how the caller's g and beta become the chunks' (gdn_gate_options.cuh; PrecomputedGates:
+// as given).
+template <class Elem, int Hqk, int Hv, int HeadK, int Threads, class Gates = PrecomputedGates>
 __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads>::CtasPerSm))
     gdn_prep_kernel(CUTE_GRID_CONSTANT const PrepArgs<PrepConfig<Elem, Hqk, HeadK, Threads>> args) {
   constexpr int G = Hv / Hqk;
@@ -642,7 +667,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
     if (q_too) issue_q_load(it);
     load.tile(SingleState{0u}, args.tma_k, gK, sK);
   };
-  const PrepGates<Cfg, Hv, G> gates{args, ss, tid};
+  const PrepGates<Cfg, Hv, G, Gates> gates{args, ss, tid};
 
 
   int64_t item = next_valid_item<Hqk>(args, blockIdx.x, cu);
@@ -670,7 +695,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
 
     // 0. The first head batch's gates (copied during the previous item) -> gamma, beta. Each
     //    thread reads only what it copied itself, so waiting for its own copies is enough.
-    gates.scan_prefetched();
+    gates.scan_prefetched(it);
 
     tiles.consumer_wait(SingleState{phase});
 
@@ -712,7 +737,7 @@ __global__ void __launch_bounds__(Threads, (PrepConfig<Elem, Hqk, HeadK, Threads
   //    saves the launch of a kernel of their own (its host time: docs/kernel-notes.md). CpScheduler
   //    deals them to the CTAs.
   CpScheduler<Hv>::for_each_job_row(
-      args.cp, [&](int64_t row) { plan_cp_jobs<Elem, Hqk, Hv, HeadK, HeadK, Threads>(args.cp, row); });
+      args.cp, [&](int64_t row) { plan_cp_jobs<Elem, Hqk, Hv, HeadK, HeadK, Threads, Gates>(args.cp, row); });
 }
 
 }  // namespace fqt

@@ -33,6 +33,8 @@ class FqtGdnFwdArgs(ctypes.Structure):
         ("max_segments", ctypes.c_int64),
         ("log_eps", ctypes.c_float),
         ("exact_heads", ctypes.c_int32),
+        ("a_log", ctypes.c_void_p),
+        ("dt_bias", ctypes.c_void_p),
     ]
 
 

@@ -10,7 +10,11 @@ copy costs speed, never results or memory safety. The call is a
 torch.library custom op with a fake implementation, so torch.compile traces through it, and
 its forward is CUDA-graph capturable. The op is differentiable w.r.t. q, k, v, g, beta and
 initial_state, with gradients for o and the final state (backward.autograd; double backward
-raises); a call that autograd records takes the custom op, which saves the inputs for it.
+raises); a call that autograd records takes the custom op, which saves the inputs for it. FLA's
+in-kernel gate and beta options (use_gate_in_kernel with A_log and dt_bias,
+use_beta_sigmoid_in_kernel, allow_neg_eigval) run in the prep kernel through a custom op of their
+own, gdn_fwd_gated, forward only: a call with them that needs a gradient computes them in PyTorch
+first (gates_in_torch) and takes gdn_fwd, so autograd differentiates them.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 from . import host_path, runtime, warmup_tables
@@ -137,32 +142,51 @@ _KNOWN_ELSEWHERE = {
 
 
 def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_indices=None, cp_context=None,
-                  kwargs=None, extra_known: dict[str, str] | None = None) -> None:
+                  kwargs=None, extra_known: dict[str, str] | None = None, gate_options: bool = False) -> None:
     """Refuse, by name and value, an FLA option the kernels cannot honour (no GPU work, no sync).
     kwargs holds the call's keyword options beyond the signature; extra_known maps a keyword a
-    caller of this op might pass to why it is refused there (a pack's op refuses warmup so)."""
+    caller of this op might pass to why it is refused there (a pack's op refuses warmup so).
+    gate_options: the caller honours FLA's in-kernel gate and beta options (use_gate_in_kernel with
+    A_log and dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval); a caller that does not (a
+    pack's op, whose plans are built without them) gets them refused by name."""
     kwargs = kwargs or {}
+    use_gate_in_kernel = kwargs.get("use_gate_in_kernel", False)
     for name, flag in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval)):
         if type(flag) is not bool:  # e.g. a call in another order: its state_v_first or cu_seqlens landed here
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}; the positional order is FLA's: "
                             f"(..., use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, "
                             f"state_v_first, cu_seqlens, cu_seqlens_cpu, chunk_indices, cp_context)")
-    if kwargs.get("use_gate_in_kernel", False):
-        raise UnsupportedError(f"use_gate_in_kernel={kwargs['use_gate_in_kernel']!r} is not supported yet: pass g "
-                               f"as the precomputed log decay (-exp(A_log) * softplus(a + dt_bias))")
-    if use_beta_sigmoid_in_kernel:
-        raise UnsupportedError(f"use_beta_sigmoid_in_kernel={use_beta_sigmoid_in_kernel!r} is not supported yet: "
-                               f"pass beta after its sigmoid")
-    if allow_neg_eigval:
-        raise UnsupportedError(f"allow_neg_eigval={allow_neg_eigval!r} is not supported yet: the kernels take "
-                               f"beta as given (pass it already scaled, with allow_neg_eigval=False)")
+    if type(use_gate_in_kernel) is not bool:
+        raise TypeError(f"use_gate_in_kernel must be a bool, got {type(use_gate_in_kernel).__name__} "
+                        f"{use_gate_in_kernel!r}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise UnsupportedError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True (as in FLA: it "
+                               "makes the in-kernel beta 2 sigmoid(b)); with beta already computed, pass it scaled "
+                               "and allow_neg_eigval=False")
     if cp_context is not None:
         raise UnsupportedError(f"cp_context={type(cp_context).__name__} is not supported: the kernels run "
                                f"no inter-GPU context parallelism (pass cp_context=None)")
-    for name in ("A_log", "dt_bias"):
-        if kwargs.get(name) is not None:
-            raise UnsupportedError(f"{name} (a {type(kwargs[name]).__name__}) is not supported yet: it feeds the "
-                                   f"in-kernel gate (use_gate_in_kernel); pass g precomputed and {name}=None")
+    if not gate_options:
+        if use_gate_in_kernel:
+            raise UnsupportedError(f"use_gate_in_kernel={use_gate_in_kernel!r} is not supported here: pass g as "
+                                   f"the precomputed log decay (-exp(A_log) * softplus(a + dt_bias))")
+        if use_beta_sigmoid_in_kernel:
+            raise UnsupportedError(f"use_beta_sigmoid_in_kernel={use_beta_sigmoid_in_kernel!r} is not supported "
+                                   f"here: pass beta after its sigmoid")
+        for name in ("A_log", "dt_bias"):
+            if kwargs.get(name) is not None:
+                raise UnsupportedError(f"{name} (a {type(kwargs[name]).__name__}) is not supported here: it feeds "
+                                       f"the in-kernel gate (use_gate_in_kernel); pass g precomputed and {name}=None")
+    elif use_gate_in_kernel:
+        if kwargs.get("A_log") is None:
+            raise ValueError("use_gate_in_kernel=True needs A_log (the [Hv] decay parameter of "
+                             "g = -exp(A_log) * softplus(g + dt_bias)); got A_log=None")
+    else:
+        for name in ("A_log", "dt_bias"):
+            if kwargs.get(name) is not None:
+                raise UnsupportedError(f"{name} (a {type(kwargs[name]).__name__}) was given with "
+                                       f"use_gate_in_kernel=False, where it would be ignored: pass "
+                                       f"use_gate_in_kernel=True to compute g from it, or {name}=None")
     if "chunk_size" in kwargs:
         size = kwargs["chunk_size"]
         if isinstance(size, bool) or not isinstance(size, int) or size != CHUNK_SIZE:
@@ -181,6 +205,47 @@ def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chun
         name = unknown[0]
         reason = why.get(name, f"the keyword options beyond the signature are {', '.join(FLA_KEYWORD_OPTIONS)}")
         raise TypeError(f"chunk_gated_delta_rule() got an unexpected keyword argument {name!r} ({reason})")
+
+
+def gate_options_of(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs) -> tuple[bool, bool, bool]:
+    """A checked call's (use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)."""
+    return bool(kwargs.get("use_gate_in_kernel", False)), bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval)
+
+
+GATE_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_gate_params(A_log, dt_bias, num_v_heads: int, device: torch.device | None) -> None:
+    """A_log and dt_bias (dt_bias may be None) of an in-kernel gate: 1-D [Hv] float tensors, on the
+    inputs' device (device None: not checked, as the FLA verifier's shape-only check does)."""
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t is None and name == "dt_bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [Hv]=({num_v_heads},), got {type(t).__name__}")
+        if tuple(t.shape) != (num_v_heads,):
+            raise ValueError(f"{name} shape {tuple(t.shape)}, expected [Hv]=({num_v_heads},) (one value per v-head)")
+        if t.dtype not in GATE_PARAM_DTYPES:
+            raise UnsupportedError(f"{name} dtype {t.dtype} is not supported (float32, bfloat16 or float16; the "
+                                   f"op upcasts it to float32)")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
+def gates_in_torch(g, beta, A_log, dt_bias, gate_options: tuple[bool, bool, bool]):
+    """FLA's in-kernel gate and beta computed in PyTorch, fp32, the formulas the kernels apply
+    (csrc/gdn_gate_options.cuh): g = -exp(A_log) * softplus(g + dt_bias) (softplus returns x above
+    20, as FLA's and torch's), beta = sigmoid(b), times 2 with allow_neg_eigval. Autograd
+    differentiates it, so calls that need a gradient run it before the custom op."""
+    gate_in_kernel, beta_sigmoid, neg_eigval = gate_options
+    if gate_in_kernel:
+        x = g.float() if dt_bias is None else g.float() + dt_bias.float()
+        g = -A_log.float().exp() * F.softplus(x)
+    if beta_sigmoid:
+        beta = torch.sigmoid(beta.float())
+        if neg_eigval:
+            beta = 2.0 * beta
+    return g, beta
 
 
 def check_scale(scale) -> None:
@@ -215,15 +280,21 @@ def _check_gpu_index(index: int) -> None:
         raise UnsupportedError(f"{name} is sm_{major}{minor}; the kernels are built for sm_90a (H100/H200)")
 
 
-def call_spec(q, v, state_v_first) -> GDNSpec:
-    """The kernel-shaping spec of a call (what picks the binary)."""
-    return _spec(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype == torch.bfloat16, bool(state_v_first))
+NO_GATE_OPTIONS = (False, False, False)
+
+
+def call_spec(q, v, state_v_first, gate_options: tuple[bool, bool, bool] = NO_GATE_OPTIONS) -> GDNSpec:
+    """The kernel-shaping spec of a call (what picks the binary); gate_options: gate_options_of's."""
+    return _spec(q.shape[2], v.shape[2], q.shape[3], v.shape[3], q.dtype == torch.bfloat16, bool(state_v_first),
+                 *gate_options)
 
 
 @functools.lru_cache(maxsize=None)
-def _spec(hqk, hv, k, v, bf16, vk) -> GDNSpec:
+def _spec(hqk, hv, k, v, bf16, vk, gate_in_kernel=False, beta_sigmoid=False, neg_eigval=False) -> GDNSpec:
     return GDNSpec(num_qk_heads=hqk, num_v_heads=hv, head_k_dim=k, head_v_dim=v,
-                   qkv_dtype="bfloat16" if bf16 else "float16", state_layout="vk" if vk else "kv")
+                   qkv_dtype="bfloat16" if bf16 else "float16", state_layout="vk" if vk else "kv",
+                   gate_in_kernel=bool(gate_in_kernel), beta_sigmoid_in_kernel=bool(beta_sigmoid),
+                   allow_neg_eigval=bool(neg_eigval))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -234,19 +305,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     FLA's chunk_gated_delta_rule arguments, names and positional order. FLA's keyword options
     arrive through kwargs: chunk_size=64 (the kernels' chunk length; any other value is refused),
-    use_gate_in_kernel=False, A_log=None, dt_bias=None. Refused by name before any GPU work, on
-    both host paths (check_options): use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
-    use_gate_in_kernel=True, A_log or dt_bias (the in-kernel gate and beta are not supported yet:
-    pass g as the log decay and beta after its sigmoid), a cp_context (no inter-GPU context
-    parallelism), and any other keyword (a TypeError). chunk_indices is FLA's [NT,2] table of
-    (sequence, chunk) rows, derived from cu_seqlens and the chunk size; the kernels derive the
-    same chunks from cu_seqlens on the device, so it is checked for form and not read.
+    use_gate_in_kernel, A_log, dt_bias. FLA's in-kernel options, computed in the prep kernel (and
+    the CP guard) in fp32 from the raw inputs (csrc/gdn_gate_options.cuh):
+    use_gate_in_kernel=True with A_log [Hv] (and optionally dt_bias [Hv]) takes g raw and uses
+    g = -exp(A_log) * softplus(g + dt_bias); use_beta_sigmoid_in_kernel=True takes beta raw and
+    uses sigmoid(beta); allow_neg_eigval=True (only with the sigmoid, as in FLA) uses
+    2 sigmoid(beta). Calls that need a gradient compute the same formulas in PyTorch before the
+    custom op (gates_in_torch), so autograd reaches A_log, dt_bias and the raw g and beta. Refused
+    by name before any GPU work (check_options): A_log or dt_bias without use_gate_in_kernel,
+    a cp_context (no inter-GPU context parallelism), and any other keyword (a TypeError).
+    chunk_indices is FLA's [NT,2] table of (sequence, chunk) rows, derived from cu_seqlens and the
+    chunk size; the kernels derive the same chunks from cu_seqlens on the device, so it is checked
+    for form and not read.
 
     warmup (keyword only): per v-head warm-up windows in chunks (a CPU int tensor or a list; -1
     chains that head exactly), usually a calibration's table. With it, long sequences are cut into
     segments that run in parallel (context parallelism); a segment of a warm-up head starts from the
     state of its window run from zero, which is used only where the input's gates decay below
-    warmup_eps over the window (and 0 <= beta ||k||^2 <= 2); everywhere else the state is chained
+    warmup_eps over the window (and 0 <= beta ||k||^2 <= 2, checked per token on the beta the chunks
+    use, so allow_neg_eigval's beta in (0, 2) without a unit-norm k chains exactly where the bound
+    fails); everywhere else the state is chained
     exactly. Without it, every head gets the default window (warmup_tables.DEFAULT_WINDOW_CHUNKS),
     still guarded; all -1 is exact chaining. Whether and where a sequence is cut depends only on its
     own length (the cost model's table), so short sequences and many-head calls run as one chain each.
@@ -264,10 +342,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     Eager calls go through the C++ host path (host_path) once a call of the same signature has run
     here and the extension is loaded (it builds in the background); it launches the same library
     with the same arguments."""
+    gate_options = NO_GATE_OPTIONS
     if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
             or chunk_indices is not None or cp_context is not None):
-        check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
+        check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,
+                      gate_options=True)
+        gate_options = gate_options_of(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
     check_scale(scale)
+    if gate_options != NO_GATE_OPTIONS:
+        return _call_with_gate_options(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                       use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cu_seqlens_cpu, warmup,
+                                       warmup_eps, gate_options, kwargs.get("A_log"), kwargs.get("dt_bias"))
     key = host_key(q, v, state_v_first, warmup, warmup_eps, "")
     fast = host_path.forward(key, q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens, cu_seqlens_cpu)
@@ -278,6 +363,29 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     bound = BoundCall(call_spec(q, v, state_v_first), "", table, warmup_eps)
     return bound(key, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                  cu_seqlens, cu_seqlens_cpu)
+
+
+def _call_with_gate_options(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                            state_v_first, cu_seqlens, cu_seqlens_cpu, warmup, warmup_eps, gate_options, A_log,
+                            dt_bias):
+    """The op with FLA's in-kernel gate or beta options (checked by check_options). On the Python host
+    path only (the C++ one takes no gate parameters). A call that autograd records computes g and
+    beta in PyTorch (gates_in_torch) and runs the precomputed-gate kernels, so the custom op's
+    backward sees the gates it differentiates and autograd carries on to A_log, dt_bias and the raw
+    inputs; any other runs the plan built with the options, which computes them in the kernel."""
+    Hv = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
+    if gate_options[0]:
+        check_gate_params(A_log, dt_bias, Hv, q.device)
+    table = warmup_tables.default_table(Hv) if warmup is None else warmup_tables.normalise(warmup, Hv)
+    longest = longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu)
+    if needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        g, beta = gates_in_torch(g, beta, A_log, dt_bias, gate_options)
+        return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           bool(state_v_first), cu_seqlens, plan_name="", warmup=list(table), warmup_eps=warmup_eps,
+                           longest_tokens=longest)
+    return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                       bool(state_v_first), cu_seqlens, plan_name="", warmup=list(table), warmup_eps=warmup_eps,
+                       longest_tokens=longest, gate_options=gate_options, A_log=A_log, dt_bias=dt_bias)
 
 
 def host_key(q, v, state_v_first, warmup, warmup_eps, plan_name: str):
@@ -327,11 +435,13 @@ class BoundCall:
         return result
 
     def forward(self, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm,
-                longest_tokens: int = 0):
-        """Packed inputs (run_checked's) -> (o, final_state) through runtime.forward."""
+                longest_tokens: int = 0, a_log=None, dt_bias=None):
+        """Packed inputs (run_checked's) -> (o, final_state) through runtime.forward (a_log, dt_bias: an
+        in-kernel gate's parameters, for a spec with gate_in_kernel)."""
         return runtime.forward(self.plan, q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state,
                                use_qk_l2norm, warmup=self.warmup, warmup_eps=self.warmup_eps,
-                               segment_lengths=self.segment_lengths, longest_tokens=longest_tokens)
+                               segment_lengths=self.segment_lengths, longest_tokens=longest_tokens,
+                               a_log=a_log, dt_bias=dt_bias)
 
     def remember_host_context(self, key, device: torch.device) -> None:
         """After a call succeeded on the Python path: let the next call of its signature take the C++
@@ -360,11 +470,14 @@ def longest_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:
 
 def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 state_v_first, cu_seqlens, plan_name: str, warmup: list[int] | None = None,
-                warmup_eps: float = warmup_tables.DEFAULT_EPS, longest_tokens: int = 0):
+                warmup_eps: float = warmup_tables.DEFAULT_EPS, longest_tokens: int = 0,
+                gate_options: tuple[bool, bool, bool] = NO_GATE_OPTIONS, A_log=None, dt_bias=None):
     """The op after check_inputs: pack the batch as varlen and call the custom op. plan_name ""
     runs the default plan for the call's heads; otherwise a plan registered by a kernel pack.
     warmup is a checked table (warmup_tables.normalise) or None; longest_tokens is
-    longest_sequence_tokens' answer (0: unknown)."""
+    longest_sequence_tokens' answer (0: unknown). gate_options other than NO_GATE_OPTIONS run the
+    default plan built with FLA's in-kernel options (gdn_fwd_gated, which has no backward: such a
+    call must not need a gradient; _call_with_gate_options sees to it), with A_log and dt_bias."""
     B, T, Hqk = q.shape[:3]
     Hv = v.shape[2]
     check_scale(scale)
@@ -383,6 +496,15 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
             bool(use_qk_l2norm_in_kernel), bool(state_v_first), plan_name, warmup, float(warmup_eps),
             int(longest_tokens))
     differentiable = needs_grad(q, k, v, g, beta, initial_state)
+    if gate_options != NO_GATE_OPTIONS:
+        if differentiable or needs_grad(A_log, dt_bias):
+            raise RuntimeError("a call with in-kernel gate or beta options that needs a gradient must compute them "
+                               "in PyTorch first (ops.gates_in_torch); the kernels that apply them have no backward")
+        if plan_name:
+            raise UnsupportedError(f"plan {plan_name} (a pack's) is built without in-kernel gate or beta options")
+        gated = (*args[:7], A_log, dt_bias, *args[7:], *gate_options)
+        o, final = (torch.ops.flashqla_tune.gdn_fwd_gated if needs_custom_op(q) else gdn_fwd_gated_impl)(*gated)
+        return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
     o, final = (torch.ops.flashqla_tune.gdn_fwd if differentiable or needs_custom_op(q) else gdn_fwd_impl)(*args)
     return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
 
@@ -425,3 +547,32 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, us
 # Differentiable: the forward saves its inputs, the backward recomputes the chunk states
 # (backward.autograd); double backward raises.
 _gdn_fwd_op.register_autograd(gdn_autograd.backward, setup_context=gdn_autograd.setup_context)
+
+
+def gdn_fwd_gated_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, a_log: torch.Tensor | None,
+                       dt_bias: torch.Tensor | None, scale: float, output_final_state: bool, use_qk_l2norm: bool,
+                       state_v_first: bool, plan_name: str, warmup: list[int] | None, warmup_eps: float,
+                       longest_tokens: int, gate_in_kernel: bool, beta_sigmoid_in_kernel: bool,
+                       allow_neg_eigval: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """gdn_fwd_impl with FLA's in-kernel gate and beta options: g and beta raw, the default plan built
+    with the options. Forward only (no autograd is registered: a call that needs a gradient computes
+    the gates in PyTorch and takes gdn_fwd)."""
+    options = (bool(gate_in_kernel), bool(beta_sigmoid_in_kernel), bool(allow_neg_eigval))
+    bound = BoundCall(call_spec(q, v, state_v_first, options), plan_name,
+                      None if warmup is None else tuple(warmup), warmup_eps)
+    return bound.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm,
+                         longest_tokens, a_log=a_log, dt_bias=dt_bias)
+
+
+_gdn_fwd_gated_op = torch.library.custom_op("flashqla_tune::gdn_fwd_gated", mutates_args=())(gdn_fwd_gated_impl)
+
+
+@_gdn_fwd_gated_op.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, a_log, dt_bias, scale, output_final_state, use_qk_l2norm,
+      state_v_first, plan_name, warmup, warmup_eps, longest_tokens, gate_in_kernel, beta_sigmoid_in_kernel,
+      allow_neg_eigval):
+    N = cu_seqlens.shape[0] - 1
+    Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
+    shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
+    return q.new_empty(v.shape), q.new_empty(shape if output_final_state else (0,), dtype=torch.float32)

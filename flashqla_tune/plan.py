@@ -155,7 +155,8 @@ class KernelPlan:
 
 def kernel_spec(spec: GDNSpec) -> GDNSpec:
     """The spec with what the kernels take at run time (in-kernel L2 norm, beta range) reset,
-    so models that differ only there share one binary."""
+    so models that differ only there share one binary. The in-kernel gate and beta options stay:
+    they change the prep kernel's code (csrc/gdn_gate_options.cuh)."""
     return dataclasses.replace(spec, qk_l2norm_in_kernel=False, beta_max=2.0)
 
 

@@ -84,7 +84,7 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
             use_qk_l2norm, out: torch.Tensor | None = None, final_out: torch.Tensor | None = None,
             prep_schedule: str = "auto", warmup: tuple[int, ...] | None = None,
             warmup_eps: float = warmup_tables.DEFAULT_EPS, segment_lengths: tuple[int, ...] | None = None,
-            longest_tokens: int = 0):
+            longest_tokens: int = 0, a_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None):
     """Packed inputs ([1, T, H, D], cu_seqlens int64 [N+1] on the device) -> (o, final_state).
 
     final_state is an empty tensor when not asked for (custom ops cannot return None). Tests
@@ -94,7 +94,9 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     warmup (checked by warmup_tables.normalise) turns on context parallelism where its segment table
     splits (segment_lengths, else the cost model's for this table); the prep schedule is then serial.
     longest_tokens, the longest sequence when the host knows it (0: unknown), lets a call of short
-    sequences skip the CP kernels."""
+    sequences skip the CP kernels. A plan built with FLA's in-kernel options (spec.gate_options) takes
+    g and beta raw; with gate_in_kernel it needs a_log, and dt_bias (or None), [Hv] on the device
+    (ops.check_gate_params checks them); a plan without the in-kernel gate takes neither."""
     T, Hv = v.shape[1], v.shape[2]
     N = cu_seqlens.shape[0] - 1
     K, V = q.shape[3], v.shape[3]
@@ -105,6 +107,16 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
     beta = _as(beta, torch.float32)
     cu_seqlens = _as(cu_seqlens, torch.int64)
     h0 = None if initial_state is None else _as(initial_state, torch.float32)
+    if plan.spec.gate_in_kernel != (a_log is not None) or (dt_bias is not None and a_log is None):
+        raise ValueError(f"plan {plan.name} {'computes' if plan.spec.gate_in_kernel else 'does not compute'} the gate "
+                         f"in the kernel, but the call passes A_log={'a tensor' if a_log is not None else None}, "
+                         f"dt_bias={'a tensor' if dt_bias is not None else None}")
+    a_log = None if a_log is None else _as(a_log, torch.float32)
+    dt_bias = None if dt_bias is None else _as(dt_bias, torch.float32)
+    for name, t in (("A_log", a_log), ("dt_bias", dt_bias)):  # the kernels read Hv floats of each
+        if t is not None and (t.numel() != Hv or t.device != v.device):
+            raise ValueError(f"{name} has {t.numel()} elements on {t.device}; plan {plan.name} reads [Hv]={Hv} "
+                             f"floats on {v.device}")
     o = torch.empty_like(v) if out is None else out
     final = final_out if final_out is not None else torch.empty(
         state_shape if output_final_state else (0,), dtype=torch.float32, device=v.device)
@@ -130,7 +142,8 @@ def forward(plan: KernelPlan, q, k, v, g, beta, cu_seqlens, initial_state, scale
         use_qk_l2norm=int(bool(use_qk_l2norm)), prep_schedule=schedule,
         warmup=None if cp is None else cp.warmup.data_ptr(),
         segment_chunks=None if cp is None else cp.segment_chunks.data_ptr(), max_segments=segments,
-        log_eps=0.0 if cp is None else cp.log_eps, exact_heads=0 if cp is None else cp.exact_heads)
+        log_eps=0.0 if cp is None else cp.log_eps, exact_heads=0 if cp is None else cp.exact_heads,
+        a_log=None if a_log is None else a_log.data_ptr(), dt_bias=None if dt_bias is None else dt_bias.data_ptr())
     lib.launch(args, current_stream_handle(v.device))
     return o, final
 

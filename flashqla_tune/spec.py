@@ -11,6 +11,9 @@ from dataclasses import dataclass
 GATE_KINDS = ("scalar", "per_key")  # scalar: one g per (token, v-head); per_key: KDA's g per key channel
 QKV_DTYPES = ("bfloat16", "float16")
 STATE_LAYOUTS = ("kv", "vk")  # [N,Hv,K,V] (FLA default) or [N,Hv,V,K] (state_v_first)
+# FLA's in-kernel gate and beta options, as GDNSpec fields, and the name suffix each adds when on
+GATE_OPTIONS = ("gate_in_kernel", "beta_sigmoid_in_kernel", "allow_neg_eigval")
+_GATE_OPTION_SUFFIXES = ("gik", "bsig", "neg")
 
 
 class SpecError(ValueError):
@@ -32,6 +35,12 @@ class GDNSpec:
     # beta is allowed in [0, beta_max]; warm-up CP is sound only when beta * ||k||^2 <= 2.
     beta_max: float = 2.0
     qk_l2norm_in_kernel: bool = False
+    # FLA's in-kernel options (csrc/gdn_gate_options.cuh), typed options of the prep kernel and the
+    # CP guard: g = -exp(A_log) * softplus(g + dt_bias) from the raw g, beta = sigmoid(b) from the
+    # raw b, and with allow_neg_eigval beta = 2 sigmoid(b) (FLA takes it only with the sigmoid).
+    gate_in_kernel: bool = False
+    beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -60,8 +69,15 @@ class GDNSpec:
             raise SpecError(f"GDNSpec.state_layout must be one of {STATE_LAYOUTS}, got {self.state_layout!r}")
         if not (0.0 < float(self.beta_max) <= 2.0):
             raise SpecError(f"GDNSpec.beta_max must be in (0, 2], got {self.beta_max!r}")
-        if not isinstance(self.qk_l2norm_in_kernel, bool):
-            raise SpecError(f"GDNSpec.qk_l2norm_in_kernel must be a bool, got {self.qk_l2norm_in_kernel!r}")
+        for name in ("qk_l2norm_in_kernel",) + GATE_OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"GDNSpec.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.allow_neg_eigval and not self.beta_sigmoid_in_kernel:
+            raise SpecError("GDNSpec.allow_neg_eigval=True needs beta_sigmoid_in_kernel=True: it scales the in-kernel "
+                            "sigmoid to 2 sigmoid(b), as FLA's allow_neg_eigval does")
+        if (self.gate_in_kernel or self.beta_sigmoid_in_kernel) and self.gate_kind != "scalar":
+            raise SpecError(f"GDNSpec.gate_in_kernel / beta_sigmoid_in_kernel are options of the scalar gate's "
+                            f"kernels, not of gate_kind={self.gate_kind!r}")
 
     @property
     def group_size(self) -> int:
@@ -81,10 +97,23 @@ class GDNSpec:
         ]
         if self.qk_l2norm_in_kernel:
             parts.append("l2n")
+        parts += [suffix for name, suffix in zip(GATE_OPTIONS, _GATE_OPTION_SUFFIXES) if getattr(self, name)]
         return "_".join(parts)
 
+    @property
+    def gate_options(self) -> tuple[bool, bool, bool]:
+        """(gate_in_kernel, beta_sigmoid_in_kernel, allow_neg_eigval)."""
+        return self.gate_in_kernel, self.beta_sigmoid_in_kernel, self.allow_neg_eigval
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, less the in-kernel gate options where they are off: a spec without them has the
+        dict (and so the plan JSON its library embeds) it had before the options existed, so packs and
+        cache entries of such specs stay valid."""
+        data = dataclasses.asdict(self)
+        for name in GATE_OPTIONS:
+            if not data[name]:
+                del data[name]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "GDNSpec":

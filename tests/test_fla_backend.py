@@ -38,9 +38,11 @@ def test_verifier_accepts_what_the_pack_runs(pack_ops):
 
 
 @pytest.mark.parametrize("call, reason", [
-    (lambda: (args(), {"use_gate_in_kernel": True}), "use_gate_in_kernel"),
-    (lambda: (args(), {"use_beta_sigmoid_in_kernel": True}), "use_beta_sigmoid_in_kernel"),
-    (lambda: (args(), {"allow_neg_eigval": True}), "allow_neg_eigval"),
+    (lambda: (args(), {"use_gate_in_kernel": True}), "use_gate_in_kernel=True needs A_log"),
+    (lambda: (args(), {"use_gate_in_kernel": True, "A_log": torch.zeros(4)}), "A_log shape (4,)"),
+    (lambda: (args(), {"use_gate_in_kernel": True, "A_log": torch.zeros(8), "dt_bias": torch.zeros(8, 1)}),
+     "dt_bias shape (8, 1)"),
+    (lambda: (args(), {"allow_neg_eigval": True}), "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel"),
     (lambda: (args(), {"cp_context": object()}), "cp_context"),
     (lambda: (args(), {"transpose_state_layout": True}), "transpose_state_layout"),
     (lambda: (args(), {"head_first": False}), "unexpected keyword argument 'head_first'"),
@@ -68,8 +70,9 @@ def test_verifier_takes_flas_positional_order(pack_ops):
     fla_order = [q, k, v, g, beta, None, None, False, True, False, False, False, None, None,
                  torch.zeros(1, 2, dtype=torch.int64), None]
     assert verify_call(pack_ops, *fla_order, device_arch=FakeHopper) == (True, None)
-    for index, value, reason in ((9, True, "use_beta_sigmoid_in_kernel=True"), (10, True, "allow_neg_eigval=True"),
-                                 (11, True, "state vk"), (15, object(), "cp_context=object")):
+    for index, value, reason in ((9, 1, "use_beta_sigmoid_in_kernel must be a bool"),
+                                 (10, True, "allow_neg_eigval=True"), (11, True, "state vk"),
+                                 (15, object(), "cp_context=object")):
         call = list(fla_order)
         call[index] = value
         ok, why = verify_call(pack_ops, *call, device_arch=FakeHopper)
@@ -139,3 +142,36 @@ def test_real_fla_registry(pack_ops):
     registry = backends._get_operation_registry("gated_delta_rule")
     assert isinstance(registry._backends[BACKEND_TYPE], cls)
     assert registry._get_sorted_backends()[0].backend_type in (BACKEND_TYPE, "triton_ascend")
+
+
+def test_verifier_takes_flas_in_kernel_gate_and_beta_options(pack_ops):
+    """FLA's GatedDeltaNet layer calls with use_gate_in_kernel (A_log, dt_bias [Hv]),
+    use_beta_sigmoid_in_kernel and allow_neg_eigval: the backend takes them."""
+    gate = {"use_gate_in_kernel": True, "A_log": torch.zeros(8), "dt_bias": torch.zeros(8)}
+    for kw in (gate, {**gate, "dt_bias": None}, {"use_beta_sigmoid_in_kernel": True},
+               {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True},
+               {**gate, "use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}):
+        assert verify_call(pack_ops, *args(), device_arch=FakeHopper, **kw) == (True, None), kw
+
+
+def test_the_backend_hands_the_pack_gates_computed_with_the_kernels_formulas(pack_ops, monkeypatch):
+    """A pack's plans take precomputed gates: the backend applies FLA's options in PyTorch
+    (ops.gates_in_torch) and passes none of them on; the values match the float64 oracle's."""
+    from flashqla_tune.oracle import apply_gate_options
+
+    seen = {}
+    monkeypatch.setattr(pack_ops, "chunk_gated_delta_rule", lambda *a, **kw: seen.update(kw, args=a) or "pack result")
+    cls = backend_class(pack_ops, object, device_arch=FakeHopper)
+    q, k, v, g_raw, b_raw = args()
+    g_raw, b_raw = torch.randn_like(g_raw) * 4, torch.randn_like(b_raw) * 3
+    A_log, dt_bias = torch.randn(8), torch.randn(8)
+    assert cls().chunk_gated_delta_rule(q, k, v, g_raw, b_raw, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                                        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                        chunk_size=64) == "pack result"
+    _, _, _, g, beta = seen["args"]
+    want_g, want_beta = apply_gate_options(g_raw, b_raw, A_log, dt_bias, True, True, True)
+    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta.double(), want_beta, rtol=1e-5, atol=1e-6)
+    assert seen["use_beta_sigmoid_in_kernel"] is False and seen["allow_neg_eigval"] is False
+    assert "use_gate_in_kernel" not in seen and "A_log" not in seen and "dt_bias" not in seen
+    assert seen["chunk_size"] == 64 and seen["layer"] is None

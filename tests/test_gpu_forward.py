@@ -70,12 +70,15 @@ TILE_VARIANTS = [TileParams(output_group=1, stages=2), TileParams(block_v=128, s
                  TileParams(stages=1, producer_regs=24, ctas_per_sm=2)]
 
 
-def run_ours(inp, l2norm, prep_schedule="auto", plan=None, warmup=None, segment_lengths=None):
+def run_ours(inp, l2norm, prep_schedule="auto", plan=None, warmup=None, segment_lengths=None,
+             gate_options=ops.NO_GATE_OPTIONS, a_log=None, dt_bias=None):
     """Through the public op's plan (or `plan`), into NaN-poisoned buffers; warmup (a per-v-head
-    table) turns on context parallelism, segment_lengths forces its segment table."""
+    table) turns on context parallelism, segment_lengths forces its segment table; gate_options
+    (ops.gate_options_of's) pick the default plan built with FLA's in-kernel options, whose gate
+    parameters a_log and dt_bias are."""
     q, v = inp["q"], inp["v"]
     B, T = q.shape[:2]
-    plan = plan or runtime.default_plan_for(ops.call_spec(q, v, inp["state_v_first"]))
+    plan = plan or runtime.default_plan_for(ops.call_spec(q, v, inp["state_v_first"], gate_options))
     cu = inp["cu_seqlens"]
     if cu is None:
         cu = torch.arange(0, (B + 1) * T, T, device=DEV, dtype=torch.int64)
@@ -89,7 +92,8 @@ def run_ours(inp, l2norm, prep_schedule="auto", plan=None, warmup=None, segment_
                                v.reshape(1, B * T, *v.shape[2:]), inp["g"].reshape(1, B * T, -1),
                                inp["beta"].reshape(1, B * T, -1), cu, h0, 128 ** -0.5, True, l2norm,
                                out=o_buf, final_out=f_buf, prep_schedule=prep_schedule,
-                               warmup=None if warmup is None else tuple(warmup), segment_lengths=segment_lengths)
+                               warmup=None if warmup is None else tuple(warmup), segment_lengths=segment_lengths,
+                               a_log=a_log, dt_bias=dt_bias)
     if inp["state_v_first"]:
         final = final.transpose(-1, -2)
     return o.reshape(v.shape), final

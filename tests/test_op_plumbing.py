@@ -401,13 +401,12 @@ def test_chunk_size_64_is_taken_and_any_other_is_refused_by_name(op_calls):
 
 
 @pytest.mark.parametrize("option, error, match", [
-    (dict(use_beta_sigmoid_in_kernel=True), ops.UnsupportedError, "use_beta_sigmoid_in_kernel=True is not supported"),
-    (dict(allow_neg_eigval=True), ops.UnsupportedError, "allow_neg_eigval=True is not supported yet"),
+    (dict(allow_neg_eigval=True), ops.UnsupportedError, "allow_neg_eigval=True requires use_beta_sigmoid_in_kernel"),
     (dict(cp_context=object()), ops.UnsupportedError, "cp_context=object is not supported"),
-    (dict(use_gate_in_kernel=True), ops.UnsupportedError, "use_gate_in_kernel=True is not supported yet"),
-    (dict(use_gate_in_kernel=True, A_log=torch.zeros(8)), ops.UnsupportedError, "use_gate_in_kernel=True"),
-    (dict(A_log=torch.zeros(8)), ops.UnsupportedError, "A_log .* is not supported yet"),
-    (dict(dt_bias=torch.zeros(8)), ops.UnsupportedError, "dt_bias .* is not supported yet"),
+    (dict(use_gate_in_kernel=True), ValueError, "use_gate_in_kernel=True needs A_log"),
+    (dict(use_gate_in_kernel=1, A_log=torch.zeros(8)), TypeError, "use_gate_in_kernel must be a bool, got int"),
+    (dict(A_log=torch.zeros(8)), ops.UnsupportedError, "A_log .* was given with use_gate_in_kernel=False"),
+    (dict(dt_bias=torch.zeros(8)), ops.UnsupportedError, "dt_bias .* was given with use_gate_in_kernel=False"),
     (dict(chunk_indices=[[0, 0]]), TypeError, "chunk_indices must be None or FLA's"),
     (dict(chunk_indices=torch.zeros(3)), ValueError, r"chunk_indices shape \(3,\)"),
     (dict(head_first=False), TypeError, "unexpected keyword argument 'head_first'"),

@@ -16,7 +16,7 @@ FIXTURE_TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 CONTRACT_KEYS = {"plan_name", "plan_json", "abi_version", "num_qk_heads", "num_v_heads", "head_k_dim", "head_v_dim",
                  "chunk_size", "element_type", "state_v_first", "qk_l2norm_in_kernel", "block_v", "stages",
                  "producer_regs", "consumer_regs", "ctas_per_sm", "output_group",
-                 "prep_threads"}
+                 "prep_threads", "gate_in_kernel", "beta_sigmoid_in_kernel", "allow_neg_eigval"}
 
 
 def fixture_renderer() -> Renderer:
@@ -35,6 +35,7 @@ def test_context_has_exactly_the_contract_keys():
     assert ctx["ctas_per_sm"] == 1 and ctx["output_group"] == "false"
     assert ctx["element_type"] == "cutlass::bfloat16_t"
     assert ctx["state_v_first"] == "false" and ctx["qk_l2norm_in_kernel"] == "false"
+    assert (ctx["gate_in_kernel"], ctx["beta_sigmoid_in_kernel"], ctx["allow_neg_eigval"]) == ("false",) * 3
     assert json.loads(ctx["plan_json"]) == plan.to_dict()
 
 

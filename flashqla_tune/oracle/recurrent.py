@@ -12,13 +12,18 @@ from __future__ import annotations
 import torch
 
 from .common import check_shapes, prepare_inputs, sequence_bounds, state_from_kv, state_to_kv
+from .gates import apply_gate_options
 
 
 def recurrent_gated_delta_rule(
     q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-    use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None,
+    use_qk_l2norm_in_kernel=False, state_v_first=False, cu_seqlens=None, *, use_gate_in_kernel=False, A_log=None,
+    dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
 ):
-    """Returns (o float64 [B,T,Hv,V], final_state float64 [N,Hv,K,V] or [N,Hv,V,K], or None)."""
+    """Returns (o float64 [B,T,Hv,V], final_state float64 [N,Hv,K,V] or [N,Hv,V,K], or None).
+    FLA's in-kernel gate and beta options (keyword only) transform g and beta first (gates.py)."""
+    g, beta = apply_gate_options(g, beta, A_log, dt_bias, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                 allow_neg_eigval)
     per_key = g.dim() == 4
     n_seq, Hv, K, V = check_shapes(q, k, v, g, beta, initial_state, cu_seqlens, state_v_first, per_key)
     q, k, v, g, beta, scale = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
