@@ -77,7 +77,11 @@ def included_headers(source: str, csrc: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class KeyedSource:
-    """A plan's rendered source and the cache key computed over it and its toolchain."""
+    """A plan's rendered source and the cache key computed over it and its toolchain.
+
+    A plan is what one library is compiled for: a forward KernelPlan, or any frozen spec with a
+    `name` and `to_dict()` (the backward's chain libraries), rendered by a renderer that has a
+    `render(plan)` and, when its ABI is not the forward's, an `abi_version`."""
     plan: KernelPlan
     source: str
     headers: tuple[Path, ...]
@@ -97,7 +101,7 @@ def keyed_source(plan: KernelPlan, renderer: Renderer | None = None, config: Bui
     headers = included_headers(source, csrc)
     inputs = {
         "key_format": KEY_FORMAT,
-        "abi_version": ABI_VERSION,
+        "abi_version": getattr(renderer, "abi_version", ABI_VERSION),
         "arch": config.arch,
         "flags": config.flags(),
         "nvcc": nvcc_version_text(),

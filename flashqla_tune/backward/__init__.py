@@ -1,5 +1,5 @@
-"""The GDN backward: the chunk-parallel algorithm in PyTorch (chunked_torch), which the op's
-backward runs until the Hopper backward kernels implement it."""
+"""The GDN backward: the chunk-parallel algorithm (chunked_torch), batched torch work around two
+sequential chains that run as Hopper kernels on CUDA (chain_kernels) and as torch loops on the CPU."""
 from .chunked_torch import GDNGradients, chunk_gated_delta_rule_bwd_torch
 
 __all__ = ["GDNGradients", "chunk_gated_delta_rule_bwd_torch"]

@@ -4,8 +4,9 @@ flashqla_tune::gdn_fwd; the backward calls the custom op flashqla_tune::gdn_bwd 
 The forward saves its inputs only (q, k, v, g, beta, the offsets, the initial state); the
 backward recomputes the chunk states from them (chunked_torch's algorithm). gdn_bwd is a custom
 op with a fake implementation, so torch.compile traces forward and backward as two opaque calls
-without a graph break. Its implementation is the PyTorch chunked backward (fp32 math) until the
-Hopper backward kernels take its place. Its own autograd raises: double backward is not supported.
+without a graph break. Its implementation is the chunked backward (chunked_torch, fp32 math): on
+CUDA its two sequential chains run as the Hopper chain kernels (chain_kernels), the rest as batched
+torch work. Its own autograd raises: double backward is not supported.
 """
 from __future__ import annotations
 

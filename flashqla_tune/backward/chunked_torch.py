@@ -1,8 +1,12 @@
 """The chunk-parallel GDN backward in PyTorch (fp32 math by default), on any device.
 
-This is the algorithm the Hopper backward kernels implement, written with torch ops; until they
-exist it is the op's backward (flashqla_tune.ops registers it on the custom op). Per chunk of
-C = 64 tokens and v-head, with the forward of DESIGN.md "The math" written as
+This is the op's backward (flashqla_tune.ops registers it on the custom op) and the specification
+of the Hopper backward kernels. On a CUDA device (fp32 compute) its two sequential steps, 1 and 2
+below, run as the chain kernels of chain_kernels.py (csrc/gdn_bwd_chain.cuh), one launch each, and
+everything else is batched torch work, so no Python loop runs per chunk; elsewhere (the CPU, a float64
+check) they are the torch loops over chunk positions below, which stay the reference the kernels
+are tested against (`sequential="torch"`). Per chunk of C = 64 tokens and v-head, with the forward
+of DESIGN.md "The math" written as
 
     u  = T V,   w = T D K,   T = (Gamma * A0) diag(b)       (the WY factors)
     Vn = u - w S                                             (the chunk's new values)
@@ -29,6 +33,7 @@ it loops only over chunk positions, all sequences that still have a chunk there 
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -48,6 +53,8 @@ class ChunkGrid:
     token_slot: torch.Tensor  # [num_tokens] slot (chunk * CHUNK + offset) of each token
     slot_token: torch.Tensor  # [num_chunks * CHUNK] token of each slot, or num_tokens for a pad slot
     steps: tuple              # per chunk position: (sequence indices, or None when all run; chunk indices)
+    chunk_offsets: torch.Tensor  # [num_seqs + 1] int64: each sequence's first chunk, then num_chunks
+    chunk_sequence: torch.Tensor  # [num_chunks] int64: the sequence each chunk belongs to
 
 
 # Recent grids by (offsets, device), least recently used first: a training loop repeats few
@@ -83,7 +90,10 @@ def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
         chunks = torch.tensor([first[s] + j for s in seqs], dtype=torch.int64, device=device)
         everyone = len(seqs) == len(lens)
         steps.append((None if everyone else torch.tensor(seqs, dtype=torch.int64, device=device), chunks))
-    grid = ChunkGrid(len(lens), total, tokens, token_slot.to(device), slot_token.to(device), tuple(steps))
+    offsets = torch.tensor(first + [total], dtype=torch.int64, device=device)
+    sequence = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(nchunks, dtype=torch.int64))
+    grid = ChunkGrid(len(lens), total, tokens, token_slot.to(device), slot_token.to(device), tuple(steps), offsets,
+                     sequence.to(device))
     _GRIDS[key] = grid
     while len(_GRIDS) > GRID_CACHE_SIZE:
         _GRIDS.popitem(last=False)
@@ -141,15 +151,64 @@ def _host_bounds(B, T, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...]:
     return bounds
 
 
+SEQUENTIAL = ("auto", "kernels", "torch")
+
+
+def uses_chain_kernels(sequential: str, device, compute_dtype, head_k_dim: int, head_v_dim: int) -> bool:
+    """Whether steps 1 and 2 run as the chain kernels: "kernels" always (an error off CUDA), "torch"
+    never, "auto" on an sm_90 CUDA device with fp32 compute and head dims the chain library is
+    built for (chain_kernels.BACKWARD_DIMS). Under "auto" a library that cannot be built or opened
+    there (no nvcc, no pack that carries one) falls back to the loops with a warning
+    (chunk_gated_delta_rule_bwd_torch); under "kernels" it is a ChainKernelError."""
+    if sequential not in SEQUENTIAL:
+        raise ValueError(f"sequential={sequential!r} must be one of {SEQUENTIAL}")
+    if sequential == "torch":
+        return False
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    if sequential == "kernels":
+        if not on_cuda or compute_dtype != torch.float32:
+            raise ValueError(f"sequential='kernels' needs CUDA tensors and compute_dtype float32, got device "
+                             f"{device} and {compute_dtype}")
+        return True
+    from .chain_kernels import BACKWARD_DIMS
+
+    if not (on_cuda and compute_dtype == torch.float32 and (head_k_dim, head_v_dim) in BACKWARD_DIMS):
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _chain_library_or_none(sequential: str, K: int, V: int):
+    """The chain library for these dims, or None (after one warning) where "auto" cannot build or
+    open it; "kernels" raises."""
+    from . import chain_kernels
+
+    try:
+        return chain_kernels.library(chain_kernels.spec_for(K, V))
+    except chain_kernels.ChainKernelError as exc:
+        if sequential == "kernels":
+            raise
+        if not _WARNED_NO_CHAINS:
+            _WARNED_NO_CHAINS.append(True)
+            warnings.warn(f"{exc}; the backward runs its two chains as torch loops over chunk positions (the same "
+                          f"gradients, slower)", RuntimeWarning, stacklevel=3)
+        return None
+
+
+_WARNED_NO_CHAINS: list = []
+
+
 def chunk_gated_delta_rule_bwd_torch(
     q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, compute_dtype=torch.float32,
+    sequential="auto",
 ) -> GDNGradients:
     """Gradients of <o, do> + <final_state, dht> for the op's forward (same arguments, the
     forward's o and final state never needed): q, k [B,T,Hqk,K], v and do [B,T,Hv,V], g and beta
     [B,T,Hv], dht and initial_state [N,Hv,K,V] ([N,Hv,V,K] with state_v_first) or None. Computes
     in compute_dtype (fp32; float64 makes it an exact check of the algorithm). Without
-    cu_seqlens_cpu a varlen call reads cu_seqlens on the host (one device sync)."""
+    cu_seqlens_cpu a varlen call reads cu_seqlens on the host (one device sync). sequential picks
+    how steps 1 and 2 run (uses_chain_kernels): the chain kernels or the torch loops."""
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
@@ -166,6 +225,7 @@ def chunk_gated_delta_rule_bwd_torch(
     scale = K ** -0.5 if scale is None else float(scale)
     dt, dev = compute_dtype, v.device
     group = Hv // Hqk
+    kernels = uses_chain_kernels(sequential, dev, dt, K, V) and _chain_library_or_none(sequential, K, V) is not None
 
     def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
         return x.reshape(B * T, *x.shape[2:]).to(dt)
@@ -198,36 +258,32 @@ def chunk_gated_delta_rule_bwd_torch(
     QK = qc @ kc.transpose(-1, -2)
     P = Gamma * QK
 
-    # 1. Recompute each chunk's incoming state (forward chain over chunk positions).
-    S = torch.zeros(N, Hv, K, V, dtype=dt, device=dev) if initial_state is None else kv_state(initial_state)
-    h = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
-    for seqs, chunks in grid.steps:
-        S_in = S if seqs is None else S.index_select(0, seqs)
-        h.index_copy_(0, chunks, S_in)
-        V_new = u.index_select(0, chunks) - w.index_select(0, chunks) @ S_in
-        S_out = decay.index_select(0, chunks) * S_in + Kd.index_select(0, chunks).transpose(-1, -2) @ V_new
-        if seqs is None:
-            S = S_out
-        else:
-            S = S.index_copy(0, seqs, S_out)
-    Vn = u - w @ h
-
-    # 2. The state gradient backward over chunk positions: dS_c = M_c^T dS_{c+1} + own-output terms.
+    h0 = None if initial_state is None else kv_state(initial_state)
+    dS_end = None if dht is None else kv_state(dht)
     PtdO = P.transpose(-1, -2) @ dOs
-    QdtdO = Qd.transpose(-1, -2) @ dOs
-    dS = torch.zeros(N, Hv, K, V, dtype=dt, device=dev) if dht is None else kv_state(dht).clone()  # never dht itself
-    dh_out = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)  # gradient of the state leaving each chunk
-    for seqs, chunks in reversed(grid.steps):
-        dS_out = dS if seqs is None else dS.index_select(0, seqs)
-        dh_out.index_copy_(0, chunks, dS_out)
-        dV_new = PtdO.index_select(0, chunks) + Kd.index_select(0, chunks) @ dS_out
-        dS_in = (QdtdO.index_select(0, chunks) - w.index_select(0, chunks).transpose(-1, -2) @ dV_new
-                 + decay.index_select(0, chunks) * dS_out)
-        if seqs is None:
-            dS = dS_in
-        else:
-            dS = dS.index_copy(0, seqs, dS_in)
-    dVn = PtdO + Kd @ dh_out
+    if kernels:
+        # 1 and 2 as one chain kernel launch each (chain_kernels): 16-bit operands, fp32 chains.
+        # Each chain is linear in its inputs per (sequence, v-head): in (u, h0) and in (dO, dht). It
+        # runs on them brought near unit magnitude by a power of two per (sequence, v-head) (exact,
+        # and independent of what else is in the batch), so that a training step's tiny output
+        # gradients neither underflow nor lose their mantissa in the 16-bit operands and a large
+        # state does not overflow them; the results are scaled back.
+        from . import chain_kernels
+
+        op = chain_kernels.spec_for(K, V).torch_dtype
+        w_op, Kd_op = w.to(op).contiguous(), Kd.to(op).contiguous()
+        chunk_decay = gamma_last.exp().contiguous()
+        unit, unit_c = _chain_units(grid, u, h0)
+        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_c).contiguous(), chunk_decay,
+                                              grid.chunk_offsets, None if h0 is None else (h0 * unit).contiguous())
+        h, Vn = h / unit_c, Vn / unit_c
+        unit, unit_c = _chain_units(grid, dOs, dS_end)
+        dh_out, dVn, dS = chain_kernels.chain_gradients(
+            w_op, Kd_op, Qd.to(op).contiguous(), (dOs * unit_c).to(op).contiguous(), (PtdO * unit_c).contiguous(),
+            chunk_decay, grid.chunk_offsets, None if dS_end is None else (dS_end * unit).contiguous())
+        dh_out, dVn, dS = dh_out / unit_c, dVn / unit_c, dS / unit
+    else:
+        h, Vn, dh_out, dVn, dS = chains_torch(grid, u, w, Kd, decay, Qd, dOs, PtdO, h0, dS_end)
 
     # 3. Per-chunk gradients, batched over every chunk.
     hT = h.transpose(-1, -2)
@@ -272,3 +328,62 @@ def chunk_gated_delta_rule_bwd_torch(
         dv=tokens(dvc).view(B, T, Hv, V).to(v.dtype),
         dg=tokens(dgc).view(B, T, Hv).to(torch.promote_types(dt, torch.float32)),
         dbeta=tokens(dbc).view(B, T, Hv).to(beta.dtype), dh0=dh0)
+
+
+def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None):
+    """Powers of two, one per (sequence, v-head), that take the largest magnitude of a chain's inputs
+    (per_chunk [NC, Hv, ...] rows of the sequence's chunks, per_sequence [N, Hv, ...] or None) into
+    [1, 2); 1 where they are all zero. Returns them as [N, Hv, 1, 1] and per chunk [NC, Hv, 1, 1].
+    Computed on the device, no host sync. A non-finite input is not scaled away: its sequence's
+    results come out non-finite too."""
+    N, Hv = grid.num_seqs, per_chunk.shape[1]
+    chunk_amax = per_chunk.abs().amax(dim=(-2, -1))                     # [NC, Hv]
+    owner = grid.chunk_sequence[:, None].expand_as(chunk_amax)
+    amax = per_chunk.new_zeros(N, Hv).scatter_reduce_(0, owner, chunk_amax, "amax")
+    if per_sequence is not None:
+        amax = torch.maximum(amax, per_sequence.abs().amax(dim=(-2, -1)))
+    # the exponent is clamped so that the unit stays a finite fp32 (amax down to 2^-126)
+    exponent = torch.floor(torch.log2(amax)).clamp(min=-126.0)
+    unit = torch.where(amax > 0, torch.exp2(-exponent), torch.ones_like(amax))
+    unit = torch.where(torch.isnan(amax), amax, unit)[..., None, None]
+    return unit, unit[grid.chunk_sequence]
+
+
+def chains_torch(grid: ChunkGrid, u, w, Kd, decay, Qd, dOs, PtdO, h0, dS_end):
+    """Steps 1 and 2 as torch loops over chunk positions, all sequences that have a chunk there in
+    lockstep (the CPU path, and the reference the chain kernels are tested against). Per chunk
+    [NC, Hv, ...] inputs as the backward builds them, decay e^{gamma_C} as [NC, Hv, 1, 1], h0 and
+    dS_end (dht) [N, Hv, K, V] or None -> (S_c, Vn, dS_{c+1}, dVn per chunk, dh0 per sequence)."""
+    NC, Hv, _, K = w.shape
+    V = u.shape[-1]
+    N, dt, dev = grid.num_seqs, u.dtype, u.device
+    # 1. Recompute each chunk's incoming state (forward chain over chunk positions).
+    S = torch.zeros(N, Hv, K, V, dtype=dt, device=dev) if h0 is None else h0
+    h = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
+    for seqs, chunks in grid.steps:
+        S_in = S if seqs is None else S.index_select(0, seqs)
+        h.index_copy_(0, chunks, S_in)
+        V_new = u.index_select(0, chunks) - w.index_select(0, chunks) @ S_in
+        S_out = decay.index_select(0, chunks) * S_in + Kd.index_select(0, chunks).transpose(-1, -2) @ V_new
+        if seqs is None:
+            S = S_out
+        else:
+            S = S.index_copy(0, seqs, S_out)
+    Vn = u - w @ h
+
+    # 2. The state gradient backward over chunk positions: dS_c = M_c^T dS_{c+1} + own-output terms.
+    QdtdO = Qd.transpose(-1, -2) @ dOs
+    dS = torch.zeros(N, Hv, K, V, dtype=dt, device=dev) if dS_end is None else dS_end.clone()  # never dht itself
+    dh_out = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)  # gradient of the state leaving each chunk
+    for seqs, chunks in reversed(grid.steps):
+        dS_out = dS if seqs is None else dS.index_select(0, seqs)
+        dh_out.index_copy_(0, chunks, dS_out)
+        dV_new = PtdO.index_select(0, chunks) + Kd.index_select(0, chunks) @ dS_out
+        dS_in = (QdtdO.index_select(0, chunks) - w.index_select(0, chunks).transpose(-1, -2) @ dV_new
+                 + decay.index_select(0, chunks) * dS_out)
+        if seqs is None:
+            dS = dS_in
+        else:
+            dS = dS.index_copy(0, seqs, dS_in)
+    dVn = PtdO + Kd @ dh_out
+    return h, Vn, dh_out, dVn, dS

@@ -1,0 +1,194 @@
+"""The backward's chain kernels build for sm_90a without a GPU, and the Python side around them.
+
+One nvcc build per run (a module fixture, into a temporary kernel cache; the tests that use it
+are marked slow: about 20 s on two cores) serves every check: ptxas reports no spills and no
+serialised wgmma for both directions' kernels, SASS holds the wgmma (HGMMA) and TMA instructions
+each direction's per-chunk GEMMs and loads need, the library speaks the Python mirror's ABI
+(version, argument struct size, embedded spec) when opened through ctypes, a registered library is
+used without a build, and a second lookup hits the cache. Without nvcc only the pure-Python checks
+run.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from flashqla_tune.backward import chain_kernels, chunked_torch
+from flashqla_tune.backward.chain_kernels import ChainSpec
+
+from toolchain import needs_nvcc
+
+SPEC = ChainSpec()  # what the backward uses at K = V = 128
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chain_cache")
+    return root, chain_kernels.get_chain_library(SPEC, root=root)
+
+
+def _kernels(resources):
+    entries = {name: info for name, info in resources.items() if info.get("entry")}
+    states = [n for n in entries if "ChainDirectionE0" in n]
+    gradients = [n for n in entries if "ChainDirectionE1" in n]
+    assert len(states) == 1 and len(gradients) == 1, sorted(entries)
+    return entries, states[0], gradients[0]
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_both_directions_build_without_spills(built):
+    _, entry = built
+    entries, states, gradients = _kernels(entry.resources)
+    for name in (states, gradients):
+        info = entries[name]
+        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, info)
+        assert info.get("stack_frame", 0) == 0, (name, info)
+        assert "wgmma_serialized" not in info, (name, info)
+        assert info["registers"] <= 255, (name, info)
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_sass_runs_the_chunk_gemms_on_wgmma(built):
+    from flashqla_tune import sass
+
+    try:
+        summary = sass.instruction_counts(built[1].so_path)
+    except sass.SassError as exc:
+        pytest.skip(str(exc))
+    _, states, gradients = _kernels(built[1].resources)
+    # kStates: S^T w^T (N = 64, K = 128: 8 k-steps) and Vn^T Kd (N = 128, K = 64: 4); kGradients adds
+    # dO^T (D Q) (4 more).
+    assert summary.count("HGMMA", states) == 8 + 4
+    assert summary.count("HGMMA", gradients) == 8 + 4 + 4
+    assert 0 < summary.count("UTMALDG", states) < summary.count("UTMALDG", gradients)
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_library_speaks_the_python_abi(built):
+    _, entry = built
+    lib = chain_kernels.ChainLibrary(entry.so_path, SPEC)  # checks version, struct size and spec
+    assert lib._lib.fqt_bwd_chain_args_bytes() == ctypes.sizeof(chain_kernels.ChainArgs)
+    with pytest.raises(chain_kernels.ChainKernelError, match="stale"):
+        chain_kernels.ChainLibrary(entry.so_path, ChainSpec(stages=3))
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_a_registered_library_is_used_without_a_build(built, monkeypatch):
+    spec = ChainSpec(stages=2, block_v=64)
+    monkeypatch.setattr(chain_kernels, "_libraries", {})
+    lib = chain_kernels.register_library(spec, built[1].so_path)
+    monkeypatch.setattr(chain_kernels, "get_chain_library", lambda *a, **k: pytest.fail("built again"))
+    assert chain_kernels.library(spec) is lib
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_second_lookup_hits_the_cache(built):
+    root, entry = built
+    again = chain_kernels.get_chain_library(SPEC, root=root)
+    assert again.path == entry.path and again.manifest["so_sha256"] == entry.manifest["so_sha256"]
+
+
+def test_template_only_fixes_constants():
+    text = chain_kernels.render_source(ChainSpec(operand_dtype="bfloat16", head_k_dim=64, head_v_dim=256,
+                                                 block_v=128, stages=1))
+    assert '#include "gdn_bwd_chain_host.cuh"' in text
+    assert "fqt::ChainConfig<cutlass::bfloat16_t, /*K=*/64, /*V=*/256," in text
+    assert "/*block_v=*/128, /*stages=*/1" in text
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(operand_dtype="float32"), "operand_dtype"), (dict(head_k_dim=96), "head_k_dim"),
+    (dict(block_v=32), "block_v"), (dict(head_v_dim=64, block_v=128), "block_v"), (dict(stages=0), "stages")])
+def test_spec_refuses_what_the_kernels_do_not_instantiate(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ChainSpec(**bad)
+
+
+def test_kernels_are_the_hopper_path_and_loops_the_cpu_path(monkeypatch):
+    use = chunked_torch.uses_chain_kernels
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert use("auto", "cuda", torch.float32, 128, 128)
+    assert not use("auto", "cuda", torch.float64, 128, 128)  # the float64 check runs the reference loops
+    assert not use("auto", "cpu", torch.float32, 128, 128)
+    assert not use("auto", "cuda", torch.float32, 16, 8)     # dims the chain library is not built for
+    assert not use("auto", "cuda", torch.float32, 256, 256)  # K = 256 exceeds the shared memory at two stages
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not use("auto", "cuda", torch.float32, 128, 128)  # the library is sm_90a code
+    assert not use("torch", "cuda", torch.float32, 128, 128)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        use("kernels", "cpu", torch.float32, 128, 128)
+    with pytest.raises(ValueError, match="sequential"):
+        use("fast", "cuda", torch.float32, 128, 128)
+
+
+def test_grid_hands_the_kernels_each_sequences_first_chunk():
+    grid = chunked_torch.chunk_grid((0, 1, 1, 130, 194, 300), torch.device("cpu"))
+    assert grid.chunk_offsets.tolist() == [0, 1, 1, 4, 5, 7]
+    assert grid.chunk_offsets.dtype == torch.int64 and grid.num_chunks == 7
+
+
+def test_add_tiles_layout():
+    x = torch.arange(2 * 3 * 64 * 128, dtype=torch.float32).view(2, 3, 64, 128)
+    tiles = chain_kernels.add_tiles(x, 64)
+    assert tiles.shape == (2, 3, 2, 64, 64) and tiles.is_contiguous()
+    assert torch.equal(tiles[1, 2, 1, 5], x[1, 2, 5, 64:])
+
+
+def test_launch_refuses_tensors_it_cannot_take():
+    """Checked on the host before any library is opened: CPU tensors, a wrong operand dtype."""
+    w = torch.zeros(2, 3, 64, 128, dtype=torch.float16)
+    u = torch.zeros(2, 3, 64, 128)
+    offsets = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="w: expected a contiguous torch.float16 tensor .* on a CUDA device"):
+        chain_kernels.chain_states(w, w, u, torch.ones(2, 3), offsets)
+    with pytest.raises(ValueError, match="w: expected a contiguous torch.float16"):
+        chain_kernels.chain_states(w.bfloat16(), w, u, torch.ones(2, 3), offsets)
+
+
+def test_spec_for_names_the_dims_the_backward_is_built_for():
+    assert chain_kernels.spec_for(128, 128) == SPEC
+    with pytest.raises(ValueError, match=r"built for \(K, V\) in \[\(128, 128\)\], not K=256, V=256"):
+        chain_kernels.spec_for(256, 256)
+
+
+def test_auto_falls_back_to_the_loops_with_one_warning_where_no_library_can_be_had(monkeypatch):
+    def unavailable(spec):
+        raise chain_kernels.ChainKernelError("no nvcc here (test double)")
+
+    monkeypatch.setattr(chain_kernels, "library", unavailable)
+    monkeypatch.setattr(chunked_torch, "_WARNED_NO_CHAINS", [])
+    with pytest.warns(RuntimeWarning, match="no nvcc here .* torch loops"):
+        assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
+    assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # warned once
+    with pytest.raises(chain_kernels.ChainKernelError, match="no nvcc"):
+        chunked_torch._chain_library_or_none("kernels", 128, 128)
+
+
+def test_chain_units_are_powers_of_two_per_sequence_and_head():
+    grid = chunked_torch.chunk_grid((0, 1, 1, 130, 194, 300), torch.device("cpu"))
+    x = torch.randn(grid.num_chunks, 3, 64, 8) * 1e-7
+    x[grid.chunk_sequence == 4] *= 1e9                      # one sequence far larger than the others
+    x[:, 2][grid.chunk_sequence == 3] = 0                   # one head of one sequence all zero
+    final = torch.randn(grid.num_seqs, 3, 4, 8) * 1e-9
+    unit, per_chunk = chunked_torch._chain_units(grid, x, final)
+    assert unit.shape == (5, 3, 1, 1) and per_chunk.shape == (7, 3, 1, 1)
+    assert torch.equal(per_chunk, unit[grid.chunk_sequence])
+    assert torch.equal(torch.exp2(torch.round(torch.log2(unit))), unit)       # powers of two
+    for s in range(5):
+        rows = x[grid.chunk_sequence == s]
+        peak = torch.maximum(rows.abs().amax(dim=(0, 2, 3)) if len(rows) else torch.zeros(3),
+                             final[s].abs().amax(dim=(-2, -1)))
+        scaled = peak * unit[s].flatten()
+        assert ((scaled >= 1) & (scaled < 2) | (peak == 0)).all(), (s, scaled)
+    alone, _ = chunked_torch._chain_units(grid, x * (grid.chunk_sequence == 0)[:, None, None, None], final)
+    assert torch.equal(alone[0], unit[0])                   # a sequence's unit ignores the rest of the batch
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("nan")
+    assert torch.isnan(chunked_torch._chain_units(grid, bad, None)[0][0, 0]).all()

@@ -1,0 +1,205 @@
+"""The backward's chain kernels (csrc/gdn_bwd_chain.cuh via backward.chain_kernels) on the H200.
+
+1. Each direction against the float64 torch loops of chunked_torch (the reference the kernels
+   replace) on the same per-chunk inputs: S_c, Vn and the final state (kStates); dS_{c+1}, dVn and
+   dh0 (kGradients). Relative L2 per output below 2e-3, outputs NaN-poisoned first, three fresh
+   draws per case: GVA heads, varlen with tails not a multiple of 64 and empty and one-token
+   sequences, h0 and dht, strong, weak and zero decay.
+2. The op's full gradients on CUDA (whose backward runs the kernels for its two chains, no torch
+   loop) against float64 autograd of the chunked float64 forward: relative L2 of each of
+   dq, dk, dv, dg, dbeta, dh0 at most max(2 x FLA's error on the same inputs, 2e-3) and below
+   1e-2; without FLA below 1e-2 alone (bf16 rounding of the returned dq, dk, dv is already
+   about 1.7e-3 of relative L2, so the 2e-3 floor means something only beside FLA's error). Both
+   state layouts, GVA, varlen, h0 and dht, in-kernel L2 norm, the three decays, fp16 and bf16.
+   The op's backward is called as the custom op flashqla_tune::gdn_bwd, which autograd through
+   ops.chunk_gated_delta_rule calls (the plumbing around it is CPU-tested); one test runs autograd
+   through the op end to end and checks that no torch loop runs. The lines printed (-s) name the
+   reference used.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+from gdn_inputs import gate_values, rel_l2  # noqa: E402
+from test_gpu_backward import ORACLE_NAMES, fla_errors, make_case, run  # noqa: E402
+
+from flashqla_tune import ops  # noqa: E402  (registers flashqla_tune::gdn_bwd)
+from flashqla_tune.backward import chain_kernels, chunked_torch  # noqa: E402
+from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse  # noqa: E402
+from flashqla_tune.oracle.gradients import recurrent_gated_delta_rule_gradients  # noqa: E402
+
+DEV = "cuda"
+K = V = 128
+KERNEL_BAR = 2e-3
+FLOOR, CEILING = 2e-3, 1e-2
+LOG = []
+
+# name: (seqlens, hqk, hv, decay, h0, dht)
+CHAIN_CASES = {
+    "gva_varlen_tails_mixed": ([1, 17, 63, 64, 65, 0, 127, 700, 5, 129], 2, 8, "mixed", True, True),
+    "strong_decay": ([1000], 1, 4, "strong", True, True),
+    "weak_decay": ([1500, 333], 2, 4, "weak", True, True),
+    "zero_decay_no_state": ([1200], 2, 4, "zero", False, False),
+    "one_sequence_many_heads": ([640], 4, 32, "mixed", False, True),
+}
+
+
+def chunk_inputs(seed, seqlens, hqk, hv, decay, h0, dht):
+    """Per-chunk float64 inputs of the two chains, built as chunked_torch builds them."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    T = sum(seqlens)
+    f64 = torch.float64
+    q = F.normalize(torch.randn(T, hqk, K, generator=gen, device=DEV, dtype=f64), dim=-1)
+    k = F.normalize(torch.randn(T, hqk, K, generator=gen, device=DEV, dtype=f64), dim=-1)
+    v = torch.randn(T, hv, V, generator=gen, device=DEV, dtype=f64)
+    g = gate_values(decay, (T, hv), gen, f64)
+    beta = torch.rand(T, hv, generator=gen, device=DEV, dtype=f64)
+    do = torch.randn(T, hv, V, generator=gen, device=DEV, dtype=f64)
+    bounds = (0, *torch.tensor(seqlens).cumsum(0).tolist())
+    grid = chunked_torch.chunk_grid(tuple(int(b) for b in bounds), torch.device(DEV))
+    group = hv // hqk
+    qc = chunked_torch.to_chunks(q, grid).repeat_interleave(group, dim=1)
+    kc = chunked_torch.to_chunks(k, grid).repeat_interleave(group, dim=1)
+    vc, bc = chunked_torch.to_chunks(v, grid), chunked_torch.to_chunks(beta, grid)
+    dOs = K ** -0.5 * chunked_torch.to_chunks(do, grid)
+    gamma = chunked_torch.to_chunks(g, grid).cumsum(-1)
+    Gamma = decay_mask(gamma)
+    A0 = gate_free_inverse(kc, bc)
+    Tm = Gamma * A0 * bc[..., None, :]
+    d = gamma.exp()[..., None]
+    last = gamma[..., -1]
+    Kd = (last[..., None] - gamma).exp()[..., None] * kc
+    P = Gamma * (qc @ kc.transpose(-1, -2))
+    N = len(seqlens)
+    return dict(grid=grid, w=Tm @ (d * kc), u=Tm @ vc, Kd=Kd, Qd=d * qc, dOs=dOs.contiguous(),
+                PtdO=P.transpose(-1, -2) @ dOs, decay=last.exp(),
+                h0=torch.randn(N, hv, K, V, generator=gen, device=DEV, dtype=f64) if h0 else None,
+                dht=torch.randn(N, hv, K, V, generator=gen, device=DEV, dtype=f64) if dht else None)
+
+
+def nan_like(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEV)
+
+
+@pytest.mark.parametrize("name", list(CHAIN_CASES))
+def test_chain_kernels_match_float64_loops(name):
+    for seed in range(3):
+        x = chunk_inputs(100 * seed + 7, *CHAIN_CASES[name])
+        grid = x["grid"]
+        NC, Hv = x["w"].shape[:2]
+        N = grid.num_seqs
+        h, Vn, dh_out, dVn, dh0 = chunked_torch.chains_torch(
+            grid, x["u"], x["w"], x["Kd"], x["decay"][..., None, None], x["Qd"], x["dOs"], x["PtdO"], x["h0"],
+            x["dht"])
+        # the final state of the reference: one more step from each sequence's last chunk
+        op = chain_kernels.spec_for(K, V).torch_dtype
+        w, kd = x["w"].to(op).contiguous(), x["Kd"].to(op).contiguous()
+        f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+        decay = f32(x["decay"])
+        out_f = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        hk, Vnk, final = chain_kernels.chain_states(w, kd, f32(x["u"]), decay, grid.chunk_offsets, f32(x["h0"]),
+                                                    out=out_f)
+        out_b = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        dhk, dVnk, dh0k = chain_kernels.chain_gradients(
+            w, kd, x["Qd"].to(op).contiguous(), x["dOs"].to(op).contiguous(), f32(x["PtdO"]), decay,
+            grid.chunk_offsets, f32(x["dht"]), out=out_b)
+        torch.cuda.synchronize()
+        # the reference's final state: S after each sequence's last chunk
+        last = grid.chunk_offsets[1:] - 1
+        S_end = x["decay"][..., None, None] * h + x["Kd"].transpose(-1, -2) @ Vn
+        start = torch.zeros_like(dh0) if x["h0"] is None else x["h0"]
+        empty = (grid.chunk_offsets[1:] == grid.chunk_offsets[:-1])
+        final_ref = torch.where(empty[:, None, None, None], start, S_end[last.clamp(min=0)])
+        pairs = {"S_c": (hk, h), "Vn": (Vnk, Vn), "final": (final, final_ref),
+                 "dS_c+1": (dhk, dh_out), "dVn": (dVnk, dVn), "dh0": (dh0k, dh0)}
+        parts = []
+        for what, (got, want) in pairs.items():
+            assert torch.isfinite(got).all(), f"{name} seed={seed}: {what} has non-finite (unwritten) elements"
+            err = rel_l2(got.double(), want)
+            parts.append(f"{what}={err:.2e}")
+            assert err < KERNEL_BAR, f"{name} seed={seed}: {what} relative L2 {err:.2e} >= {KERNEL_BAR}"
+        line = f"chain {name:26s} seed={seed} " + " ".join(parts)
+        print(line)
+        LOG.append(line)
+
+
+def test_cuda_backward_runs_no_torch_loop(monkeypatch):
+    """On CUDA autograd through the op (its forward kernel, then its backward) takes the chain
+    kernels; the torch loops are not called."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch loops ran on CUDA")
+
+    monkeypatch.setattr(chunked_torch, "chains_torch", refuse)
+    leaves, do, dfinal, cu = make_case(3, [200, 77], 2, 4, torch.bfloat16, "mixed", True, True, False, False)
+    grads = run(ops.chunk_gated_delta_rule, leaves, do, dfinal, cu, False, False)
+    assert all(torch.isfinite(t).all() for t in grads.values() if t is not None)
+
+
+# name: (seqlens, hqk, hv, dtype, decay, h0, dht, layout_vk, l2norm)
+OP_CASES = {
+    "gva_varlen_tails_bf16": ([1, 17, 63, 64, 65, 0, 127, 900, 5, 129], 2, 8, torch.bfloat16, "mixed", True, True,
+                              False, False),
+    "gva_varlen_tails_fp16": ([1, 17, 63, 64, 65, 0, 127, 900, 5, 129], 2, 8, torch.float16, "mixed", True, True,
+                              False, False),
+    "state_v_first": ([700, 1049], 2, 8, torch.bfloat16, "mixed", True, True, True, False),
+    "l2norm_in_kernel": ([777, 900], 4, 16, torch.bfloat16, "mixed", True, True, False, True),
+    "strong_decay": ([2000], 2, 8, torch.bfloat16, "strong", True, True, False, False),
+    "weak_decay": ([2000], 2, 8, torch.bfloat16, "weak", True, True, False, False),
+    "zero_decay_no_state": ([1500], 2, 8, torch.bfloat16, "zero", False, False, False, False),
+}
+
+
+def op_backward(leaves, do, dfinal, cu, vk, l2norm):
+    """The op's registered backward (flashqla_tune::gdn_bwd, what autograd through
+    ops.chunk_gated_delta_rule calls; the autograd plumbing around it is CPU-tested), on
+    NaN-free inputs; the gradients by leaf name."""
+    grads = torch.ops.flashqla_tune.gdn_bwd(
+        leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], cu, leaves["initial_state"], do, dfinal,
+        128 ** -0.5, l2norm, vk)
+    torch.cuda.synchronize()
+    out = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), grads))
+    if leaves["initial_state"] is None:
+        out["initial_state"] = None
+    return out
+
+
+# Output gradients of a training step's size (a mean over many tokens and a vocabulary): far below
+# the 16-bit operands' normal range unless the backward brings them to unit magnitude first.
+TINY_OUTPUT_GRADIENT = {"tiny_output_gradients": 3e-8, "large_output_gradients": 3e3}
+OP_CASES.update({name: ([900, 333], 2, 8, torch.bfloat16, "mixed", True, True, False, False)
+                 for name in TINY_OUTPUT_GRADIENT})
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_op_gradients_with_chain_kernels_match_float64(name):
+    seqlens, hqk, hv, dtype, decay, h0, dht, vk, l2norm = OP_CASES[name]
+    for seed in range(3):
+        leaves, do, dfinal, cu = make_case(1000 * seed + 23, seqlens, hqk, hv, dtype, decay, h0, dht, vk, l2norm)
+        if name in TINY_OUTPUT_GRADIENT:
+            size = TINY_OUTPUT_GRADIENT[name]
+            do, dfinal = (do.float() * size).to(do.dtype), dfinal * size
+        grads = op_backward(leaves, do, dfinal, cu, vk, l2norm)
+        oracle = recurrent_gated_delta_rule_gradients(
+            **leaves, do=do, dht=dfinal, scale=128 ** -0.5, use_qk_l2norm_in_kernel=l2norm, state_v_first=vk,
+            cu_seqlens=cu, form="chunked")
+        ref = {n: getattr(oracle, ORACLE_NAMES[n]) for n in leaves if leaves[n] is not None}
+        fla = fla_errors(leaves, do, dfinal, cu, vk, l2norm, ref)
+        parts = []
+        for n, want in ref.items():
+            got = grads[n]
+            assert got is not None and got.dtype == leaves[n].dtype, (name, n)
+            assert torch.isfinite(got).all(), f"{name}: non-finite elements in the gradient of {n}"
+            err = rel_l2(got, want)
+            bar = min(max(2 * fla[n], FLOOR), CEILING) if fla else CEILING
+            parts.append(f"d{n}={err:.2e} (bar {bar:.2e}" + (f", fla {fla[n]:.2e})" if fla else ")"))
+            assert err <= bar, f"{name} seed={seed} d{n}={err:.2e} > {bar:.2e}"
+        line = f"op {name:24s} seed={seed} reference={'FLA' if fla else 'floor'} " + " ".join(parts)
+        print(line)
+        LOG.append(line)
