@@ -38,10 +38,15 @@
 #   bash benchmarks/h200_steps.sh kernel-split ARGS   benchmarks/kernel_split.py with ARGS (--heads,
 #                                              --seqlens, --impl): $OUT/kernel_split.json and .log
 #                                              (published: docs/results/kernel-split.json)
-#   bash benchmarks/h200_steps.sh backward-tests   tests/test_gpu_backward.py (FLA's reference errors from its
+#   bash benchmarks/h200_steps.sh backward-tests   tests/test_gpu_backward_chain.py (the chain kernels against
+#                                              the float64 loops, then the op's gradients) and
+#                                              tests/test_gpu_backward.py (FLA's reference errors from its
 #                                              Triton kernels with its TileLang chunk_bwd_dqkwg, FlashQLA's
 #                                              backend off): $OUT/gpu_tests_backward.log
 #                                              (published: docs/results/gpu-tests-backward.log)
+#   bash benchmarks/h200_steps.sh gate-tests   tests/test_gpu_gate_options.py, FLA's in-kernel gate and beta
+#                                              options against the float64 oracle beside FLA's own:
+#                                              $OUT/gpu_tests_gates.log (published: docs/results/gpu-tests-gates.log)
 #   bash benchmarks/h200_steps.sh backward-bench [ARGS]   benchmarks/backward_bench.py --prewarm with ARGS
 #                                              (--heads, --seqlens, --impl, --fla-dispatch, --budget-s): forward
 #                                              plus backward of ours, FlashQLA, FLA: $OUT/bwd/backward_bench.{json,md}
@@ -56,10 +61,10 @@ mkdir -p "$OUT"
 STEP=${1:-tests}
 case "$STEP" in
   setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split|flashinfer-stage|flashinfer-rows|cold-start) ;;
-  backward-tests|backward-bench|train-compare) ;;
+  backward-tests|backward-bench|train-compare|gate-tests) ;;
   *) echo "unknown step '$STEP' (setup | tests | tests-x2 | gpu-tests | half | pair-score | join | host |" \
        "host-ab | kernel-split | flashinfer-stage | flashinfer-rows | cold-start | backward-tests |" \
-       "backward-bench | train-compare)" >&2
+       "backward-bench | train-compare | gate-tests)" >&2
      exit 2 ;;
 esac
 
@@ -209,9 +214,15 @@ case "$STEP" in
     # FLA's Triton chunk_bwd_dqkwg raises on Hopper with Triton < 3.7.1 unless its TileLang backend
     # serves it, which needs FLA's dispatch on; FLA_FLASH_QLA=0 keeps FLA's whole op from going to FlashQLA.
     FLA_DISABLE_BACKEND_DISPATCH=0 FLA_FLASH_QLA=0 timeout "${TESTS_TIMEOUT_S:-400}" python3 -m pytest -q -s -m gpu \
-      tests/test_gpu_backward.py -p no:cacheprovider --durations=0 > "$OUT/gpu_tests_backward.log" 2>&1
+      tests/test_gpu_backward_chain.py tests/test_gpu_backward.py -p no:cacheprovider --durations=0 \
+      > "$OUT/gpu_tests_backward.log" 2>&1
     echo "backward-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests_backward.log" | tail -n 2
     grep -E "^FAILED" "$OUT/gpu_tests_backward.log" | head -n 12 | cut -c1-300 || true ;;
+  gate-tests)
+    timeout "${TESTS_TIMEOUT_S:-500}" python3 -m pytest -q -s -m gpu tests/test_gpu_gate_options.py -p no:cacheprovider \
+      --durations=0 > "$OUT/gpu_tests_gates.log" 2>&1
+    echo "gate-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests_gates.log" | tail -n 2
+    grep -E "^FAILED" "$OUT/gpu_tests_gates.log" | head -n 12 | cut -c1-300 || true ;;
   backward-bench)
     # the script sets FLA's environment itself (--fla-dispatch) before it imports FLA
     timeout "${BWD_TIMEOUT_S:-560}" python3 -P benchmarks/backward_bench.py "$OUT/bwd" --prewarm "${@:2}" \

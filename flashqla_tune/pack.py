@@ -152,6 +152,27 @@ class HostExtension:
 
 
 @dataclass(frozen=True)
+class BackwardLibrary:
+    """The backward's chain kernels (backward.chain_kernels) prebuilt for the pack's head dims, so a
+    pack's op trains without compiling anything; used only where its spec and ABI are the ones
+    this flashqla_tune's backward asks for."""
+    so: str                     # path relative to the pack
+    sha256: str
+    spec: dict                  # chain_kernels.ChainSpec.to_dict()
+    abi_version: int            # chain_kernels.ABI_VERSION it was built with
+
+    def to_dict(self) -> dict:
+        return {"so": self.so, "sha256": self.sha256, "spec": dict(self.spec), "abi_version": self.abi_version}
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "backward entry") -> "BackwardLibrary":
+        if not isinstance(d, dict) or not isinstance(d.get("spec"), dict):
+            raise PackError(f"{where} is {d!r}, expected an object with so, sha256, spec and abi_version")
+        return cls(_inside_pack(d["so"], where), _text(d["sha256"], f"{where}: sha256"), dict(d["spec"]),
+                   _count(d["abi_version"], f"{where}: abi_version"))
+
+
+@dataclass(frozen=True)
 class Manifest:
     spec: GDNSpec                    # the model's spec (all heads)
     checkpoint_sha256: str
@@ -164,6 +185,7 @@ class Manifest:
     plans: tuple[PackPlan, ...]
     build: dict = field(default_factory=dict)   # the options that made it (calibration corpus, sizes)
     host_extension: HostExtension | None = None  # None: built where the extension could not be compiled
+    backward: BackwardLibrary | None = None      # None: head dims the chain kernels lack, or an older pack
     tool_version: str = __version__
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     schema_version: int = SCHEMA_VERSION
@@ -186,6 +208,7 @@ class Manifest:
                 "tp_sizes": list(self.tp_sizes), "tuned": self.tuned, "gpu": self.gpu,
                 "toolchain": self.toolchain, "build": self.build, "plans": [p.to_dict() for p in self.plans],
                 "host_extension": None if self.host_extension is None else self.host_extension.to_dict(),
+                "backward": None if self.backward is None else self.backward.to_dict(),
                 "host": {"machine": self.machine}}
 
     @classmethod
@@ -231,6 +254,8 @@ class Manifest:
                        host_extension=(None if data.get("host_extension") is None
                                        else HostExtension.from_dict(data["host_extension"],
                                                                     f"{source}: host_extension")),
+                       backward=(None if data.get("backward") is None
+                                 else BackwardLibrary.from_dict(data["backward"], f"{source}: backward")),
                        tool_version=data["tool_version"], created=data["created"],
                        schema_version=version, machine=machine)
         except PackError:
@@ -314,6 +339,8 @@ def check_binaries(pack: str | Path, manifest: Manifest, plans=None) -> None:
     listed = [(p.so, p.so_sha256, f"plan {p.plan.name}") for p in (plans if plans is not None else manifest.plans)]
     if manifest.host_extension is not None:
         listed.append((manifest.host_extension.so, manifest.host_extension.sha256, "the C++ host path"))
+    if manifest.backward is not None:
+        listed.append((manifest.backward.so, manifest.backward.sha256, "the backward's chain kernels"))
     for so, sha, of in listed:
         path = Path(pack) / so
         if not path.is_file():

@@ -35,7 +35,7 @@ from pathlib import Path
 from . import __version__, cache, environment
 from .model_config import read_model_config
 from .pack import (BINARIES, CALIBRATION, HOST, MANIFEST, NATIVE, QK_REPEATED, SCHEMA_VERSION, UNTUNED_TARGET,
-                   HostExtension, Manifest, PackError, PackPlan, check_binaries, check_calibration,
+                   BackwardLibrary, HostExtension, Manifest, PackError, PackPlan, check_binaries, check_calibration,
                    check_replaceable, publish, read_manifest, recover, sha256_file, staging_dir, write_manifest)
 from .plan import KernelPlan, default_plan
 from .spec import GDNSpec
@@ -107,6 +107,9 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, s
         return False, f"checkpoint changed (pack has {old.checkpoint_sha256[:16]}, checkpoint is {sha[:16]})"
     if old.tool_version != __version__:
         return False, f"pack made by flashqla-tune {old.tool_version}, this is {__version__}"
+    backward_why = _backward_stale_reason(old)
+    if backward_why is not None:
+        return False, backward_why
     if spec is not None and old.spec != spec:
         return False, f"spec changed ({old.spec.name} -> {spec.name})"
     if tuple(old.tp_sizes) != tuple(tp_sizes):
@@ -116,6 +119,24 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, s
     if want_tuned_on is not None and (not old.tuned or old.gpu.get("name") != want_tuned_on):
         return False, f"pack is {old.target}; tuning for {want_tuned_on} was asked"
     return True, f"up to date ({old.target}, checkpoint {sha[:16]})"
+
+
+def _backward_stale_reason(manifest: Manifest) -> str | None:
+    """Why a pack's backward chain kernels are not the ones this flashqla_tune's backward uses (none
+    recorded, or another chain ABI or spec), or None (they are, or the head dims have none)."""
+    from .backward import chain_kernels
+
+    try:
+        want = chain_kernels.spec_for(manifest.spec.head_k_dim, manifest.spec.head_v_dim)
+    except ValueError:
+        return None
+    record = manifest.backward
+    if record is None:
+        return "the pack carries no backward chain kernels"
+    if record.abi_version != chain_kernels.ABI_VERSION or record.spec != want.to_dict():
+        return (f"its backward chain kernels are stale (chain ABI {record.abi_version}, {record.spec}; this "
+                f"flashqla-tune uses ABI {chain_kernels.ABI_VERSION}, {want.to_dict()})")
+    return None
 
 
 def _host_refresh_reason(manifest: Manifest, build_host=None) -> str | None:
@@ -277,22 +298,25 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         cal = _calibration(given, calibration, ckpt, sha, staging, seconds, log, corpus=corpus,
                            settings=settings, seq_len=seq_len, max_sequences=max_sequences, batch_size=batch_size,
                            device=device, offload=offload, progress=progress, qkv_dtype=qkv_dtype)
-        # The kernels (nvcc) and the C++ host path (the host compiler) need only the spec: side by side.
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        # The kernels (nvcc), the backward's chain library (nvcc) and the C++ host path (the host
+        # compiler) need only the spec: side by side.
+        (staging / BINARIES).mkdir()
+        with ThreadPoolExecutor(max_workers=2) as pool:
             host_future = pool.submit(_timed, _host_extension, staging, build_host, log)
+            backward_future = pool.submit(_backward_library, staging, spec, log)
             t = time.perf_counter()
             try:
                 compile_plans(list(plans.values()), jobs=jobs, progress=progress, log=log)
             finally:
                 seconds["compile"] = time.perf_counter() - t
             host, seconds["host"] = host_future.result()   # after a failed compile, its error is the one raised
+            backward = backward_future.result()
         tuning: dict[KernelPlan, dict] = {}
         if gpu is not None:
             t = time.perf_counter()
             plans, tuning = _tune(plans, gpu, budget_s, jobs, progress, log, compare_anchors)
             seconds["tune"] = time.perf_counter() - t
         entries = {e.plan: e for e in cache.get_kernels(list(dict.fromkeys(plans.values())), jobs=jobs)}
-        (staging / BINARIES).mkdir()
         pack_plans = []
         segment_tables: dict[KernelPlan, tuple[int, ...]] = {}
         for h, plan in plans.items():
@@ -314,7 +338,8 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         manifest = Manifest(spec=spec, checkpoint_sha256=sha, checkpoint_path=str(ckpt.resolve()),
                             calibration_sha256=sha256_file(staging / CALIBRATION),
                             num_gdn_layers=model.num_gdn_layers, tp_sizes=tp_sizes, gpu=gpu_record,
-                            toolchain=toolchain(), plans=tuple(pack_plans), build=options, host_extension=host)
+                            toolchain=toolchain(), plans=tuple(pack_plans), build=options, host_extension=host,
+                            backward=backward)
         _share(staging)
         write_manifest(staging, manifest)     # last: its presence marks a finished pack
         publish(staging, out)
@@ -388,6 +413,26 @@ def compile_plans(plans, jobs: int | None = None, force: bool = False, progress:
     elif progress and unique:
         log(f"compile: all {len(unique)} plan(s) cached")
     return [found[p] for p in plans]
+
+
+def _backward_library(staging: Path, spec: GDNSpec, log) -> BackwardLibrary | None:
+    """The backward's chain kernels for the model's head dims, built through the kernel cache and
+    copied into the pack's binaries (so a pack's op trains with nothing compiled where it runs);
+    None, said in the log, for head dims the chain kernels are not written for."""
+    from .backward import chain_kernels
+
+    K, V = spec.head_k_dim, spec.head_v_dim
+    try:
+        chain_spec = chain_kernels.spec_for(K, V)
+    except ValueError as exc:
+        log(f"build: no backward chain kernels for K={K}, V={V} ({exc}); the pack's backward runs its "
+            f"two chains as torch loops")
+        return None
+    entry, = cache.get_kernels([chain_spec], chain_kernels.ChainRenderer(), jobs=1)
+    log(f"build: the backward's chain kernels {chain_spec.name} ({'built' if entry.built else 'cached'})")
+    rel = f"{BINARIES}/{chain_spec.name}.so"
+    shutil.copyfile(entry.so_path, staging / rel)
+    return BackwardLibrary(rel, sha256_file(staging / rel), chain_spec.to_dict(), chain_kernels.ABI_VERSION)
 
 
 def _host_extension(staging: Path, build_host, log) -> HostExtension | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import warnings
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from . import environment, host_path, loader, ops, runtime, warmup_tables
 from .pack import (CALIBRATION, MANIFEST, NATIVE, Manifest, PackError, PackPlan, check_binaries, check_calibration,
                    parse_manifest, read_manifest)
 from .plan import KernelPlan, kernel_spec
+
+logger = logging.getLogger("flashqla_tune")
 
 _AUTO = object()
 _PACK_KEYWORDS = {name: "a pack's calls take the warm-up table and eps from its calibration: pass layer="
@@ -213,7 +216,29 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
     # the eager op's C++ host path: the pack's prebuilt extension where it fits this torch and Python,
     # else one warning and the Python path for this pack's calls (nothing is compiled for them)
     host_path.use_pack_extension(pack, manifest.host_extension)
+    _offer_backward(pack, manifest)
     return PackOps(pack, manifest, tp_rank, tp_size, plans, cal, libraries, registered)
+
+
+def _offer_backward(pack: Path, manifest: Manifest) -> None:
+    """The pack's prebuilt backward chain kernels become the ones this process's backward uses
+    (opened on the first backward); a library built for another chain ABI or spec than this
+    flashqla_tune asks for is passed over with one warning, and the backward builds its own."""
+    if manifest.backward is None:
+        return
+    from .backward import chain_kernels
+
+    record = manifest.backward
+    try:
+        want = chain_kernels.spec_for(manifest.spec.head_k_dim, manifest.spec.head_v_dim)
+    except ValueError:
+        want = None
+    if want is None or record.abi_version != chain_kernels.ABI_VERSION or record.spec != want.to_dict():
+        logger.warning("pack %s: its backward chain kernels (ABI %s, %s) are not the ones this flashqla_tune uses "
+                       "(ABI %s, %s); its backward builds them on first use", pack, record.abi_version, record.spec,
+                       chain_kernels.ABI_VERSION, None if want is None else want.to_dict())
+        return
+    chain_kernels.offer_library(want, pack / record.so, record.sha256)
 
 
 def _registered_name(p) -> str:

@@ -36,7 +36,8 @@ def synthetic_calibration(spec: GDNSpec = MODEL_SPEC, layers: int = 3) -> Calibr
                        spec=spec.to_dict(), corpus={"name": "synthetic"}, settings=settings, layers=stats)
 
 
-def make_pack(folder: Path, tp_sizes=(1, 2), gpu: GPUInfo | None = None, spec: GDNSpec = MODEL_SPEC) -> Path:
+def make_pack(folder: Path, tp_sizes=(1, 2), gpu: GPUInfo | None = None, spec: GDNSpec = MODEL_SPEC,
+              backward: bool = True) -> Path:
     folder = Path(folder)
     (folder / BINARIES).mkdir(parents=True)
     cal = synthetic_calibration(spec)
@@ -54,8 +55,23 @@ def make_pack(folder: Path, tp_sizes=(1, 2), gpu: GPUInfo | None = None, spec: G
                                     calibration_sha256=sha256_file(folder / CALIBRATION),
                                     num_gdn_layers=len(cal.layers), tp_sizes=tuple(tp_sizes), gpu=record,
                                     toolchain={"nvcc": "13.0", "cutlass": "4.2.0", "torch": torch.__version__},
-                                    plans=tuple(plans)))
+                                    plans=tuple(plans), backward=_backward_double(folder, spec) if backward else None))
     return folder
+
+
+def _backward_double(folder: Path, spec: GDNSpec):
+    """The backward chain library record `flashqla-tune build` writes (FakeBinary bytes), for head dims
+    that have one."""
+    from flashqla_tune.backward import chain_kernels
+    from flashqla_tune.pack import BackwardLibrary
+
+    try:
+        chain = chain_kernels.spec_for(spec.head_k_dim, spec.head_v_dim)
+    except ValueError:
+        return None
+    rel = f"{BINARIES}/{chain.name}.so"
+    (folder / rel).write_bytes(b"FakeBinary backward chains")
+    return BackwardLibrary(rel, sha256_file(folder / rel), chain.to_dict(), chain_kernels.ABI_VERSION)
 
 
 def edit_manifest(folder: Path, change) -> None:

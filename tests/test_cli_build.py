@@ -36,7 +36,7 @@ class KernelCacheDouble:
     def lookup(self, plan, *args, **kwargs):
         return self.entries.get(plan)
 
-    def get_kernels(self, plans, jobs=None, force=False):
+    def get_kernels(self, plans, renderer=None, jobs=None, force=False):
         self.calls.append([p.name for p in plans])
         out = []
         for plan in plans:

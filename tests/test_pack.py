@@ -16,7 +16,8 @@ from flashqla_tune import host_path, ops
 from flashqla_tune.abi import ABI_VERSION
 from flashqla_tune.environment import GPUInfo
 from flashqla_tune.files import sha256_file
-from flashqla_tune.pack import HostExtension, Manifest, PackError, check_binaries, publish, read_manifest, staging_dir
+from flashqla_tune.pack import (BINARIES, HostExtension, Manifest, PackError, check_binaries, publish, read_manifest,
+                                staging_dir)
 from flashqla_tune.pack_build import _host_extension, _host_refresh_reason, _reuse_reason, parse_tp, plan_heads
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -333,3 +334,86 @@ def test_loading_a_pack_hands_its_host_extension_to_the_host_path(tmp_path, monk
     _, record = _with_host_extension(pack)
     _load(pack)
     assert seen == [(pack, HostExtension(**record))]
+
+
+def _with_backward(pack, **changes):
+    """Give a pack double the backward's chain library and its manifest record (FakeBinary bytes:
+    nothing opens it in these tests), as `flashqla-tune build` writes them."""
+    from flashqla_tune.backward import chain_kernels
+
+    spec = chain_kernels.spec_for(128, 128)
+    so = pack / BINARIES / f"{spec.name}.so"
+    so.write_bytes(b"FakeBinary backward chains")
+    record = {"so": f"{BINARIES}/{so.name}", "sha256": sha256_file(so), "spec": spec.to_dict(),
+              "abi_version": chain_kernels.ABI_VERSION, **changes}
+    edit_manifest(pack, lambda d: d.update(backward=record))
+    return so, record, spec
+
+
+def test_the_manifest_records_the_backward_chains_and_checks_their_binary(tmp_path):
+    from flashqla_tune.pack import BackwardLibrary
+    from flashqla_tune.pack_signing import signed_files
+
+    old = make_pack(tmp_path / "old", backward=False)
+    assert read_manifest(old).backward is None  # a pack made before reads as such, and is rebuilt
+    reuse, why = _reuse_reason(old, SHA, (1, 2), {}, None)
+    assert not reuse and why == "the pack carries no backward chain kernels"
+    pack = make_pack(tmp_path / "p", backward=False)
+    so, record, _ = _with_backward(pack)
+    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[0]
+    edit_manifest(pack, lambda d: d["backward"].update(abi_version=record["abi_version"] + 1))
+    assert "backward chain kernels are stale (chain ABI" in _reuse_reason(pack, SHA, (1, 2), {}, None)[1]
+    edit_manifest(pack, lambda d: d["backward"].update(abi_version=record["abi_version"]))
+    m = read_manifest(pack)
+    assert m.backward == BackwardLibrary(**record) and Manifest.from_dict(m.to_dict(), "round trip") == m
+    assert record["so"] in signed_files(m)   # a signature covers it like every other binary
+    check_binaries(pack, m, [])
+    so.write_bytes(b"tampered")
+    with pytest.raises(PackError, match=f"{BINARIES}/{so.name} does not match its recorded sha256"):
+        check_binaries(pack, m, [])
+    edit_manifest(pack, lambda d: d["backward"].update(so="/elsewhere.so"))
+    with pytest.raises(PackError, match="backward"):
+        read_manifest(pack)
+    edit_manifest(pack, lambda d: d.update(backward={"so": "binaries/x.so"}))
+    with pytest.raises(PackError, match="backward"):
+        read_manifest(pack)
+
+
+def test_loading_a_pack_offers_its_backward_chains_or_says_why_not(tmp_path, monkeypatch, caplog):
+    from flashqla_tune.backward import chain_kernels
+
+    offered = []
+    monkeypatch.setattr(chain_kernels, "offer_library", lambda spec, path, sha: offered.append((spec, path, sha)))
+    pack = make_pack(tmp_path / "p", backward=False)
+    so, record, spec = _with_backward(pack)
+    _load(pack)
+    assert offered == [(spec, so, record["sha256"])]
+    other = make_pack(tmp_path / "q", backward=False)
+    _with_backward(other, abi_version=chain_kernels.ABI_VERSION + 1)
+    with caplog.at_level("WARNING", logger="flashqla_tune"):
+        _load(other)
+    assert len(offered) == 1 and "builds them on first use" in caplog.text
+
+
+def test_an_offered_library_is_opened_on_first_use_only(tmp_path, monkeypatch):
+    from flashqla_tune.backward import chain_kernels
+
+    opened = []
+    monkeypatch.setattr(chain_kernels, "_libraries", {})
+    monkeypatch.setattr(chain_kernels, "_offered", {})
+    monkeypatch.setattr(chain_kernels, "ChainLibrary", lambda path, spec: opened.append(path) or ("library", path))
+    monkeypatch.setattr(chain_kernels, "get_chain_library", lambda *a, **k: pytest.fail("built instead"))
+    spec = chain_kernels.spec_for(128, 128)
+    so = tmp_path / "pack.so"
+    so.write_bytes(b"FakeBinary backward chains")
+    chain_kernels.offer_library(spec, so, sha256_file(so))
+    assert opened == []
+    assert chain_kernels.library(spec) == ("library", so) and opened == [so]
+    assert chain_kernels.library(spec) == ("library", so) and len(opened) == 1
+    # a library changed between the pack's load and its first backward is refused, not opened
+    monkeypatch.setattr(chain_kernels, "_libraries", {})
+    chain_kernels.offer_library(spec, so, sha256_file(so))
+    so.write_bytes(b"swapped")
+    with pytest.raises(chain_kernels.ChainKernelError, match="does not match the sha256 its pack recorded"):
+        chain_kernels.library(spec)
+    assert len(opened) == 1

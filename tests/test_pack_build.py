@@ -44,6 +44,13 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     from flashqla_tune import host_path
     assert m.host_extension is not None and (pack / m.host_extension.so).is_file()
     assert host_path.mismatch(m.host_extension) is None and f"C++ host path: {m.host_extension.so}" in out
+    # the backward's chain kernels, built through the kernel cache, so the pack's op trains with
+    # nothing compiled where it runs
+    from flashqla_tune.backward import chain_kernels
+    chain_spec = chain_kernels.spec_for(128, 128)
+    assert m.backward is not None and m.backward.spec == chain_spec.to_dict() and (pack / m.backward.so).is_file()
+    assert f"the backward's chain kernels {chain_spec.name} (built)" in err
+    assert f"backward chain kernels: {m.backward.so}" in out
     # every plan carries the CP split it applies with this calibration (an H200's SMs: untuned)
     from flashqla_tune.calibration_artifact import load_calibration
     from flashqla_tune.pack_build import cp_segment_table
@@ -60,6 +67,7 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     described = capsys.readouterr().out
     assert "any sm_90 GPU" in described and "TP degrees 1, 2" in described and "DAMAGED" not in described
     assert f"C++ host path: {m.host_extension.so}" in described and "model-wide table" in described
+    assert f"backward chain kernels: {m.backward.so}" in described
 
     # Unchanged checkpoint and options: reused, not rebuilt.
     before = (pack / "manifest.json").stat().st_mtime_ns
@@ -67,8 +75,13 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     assert "up to date" in capsys.readouterr().out
     assert (pack / "manifest.json").stat().st_mtime_ns == before
 
-    # The real loader opens the pack's libraries with ctypes (no GPU needed to open them).
+    # The real loader opens the pack's libraries with ctypes (no GPU needed to open them), and
+    # offers its backward library (opened, ABI-checked, on the first backward).
+    monkeypatch.setattr(chain_kernels, "_libraries", {})
+    monkeypatch.setattr(chain_kernels, "_offered", {})
     ops = flashqla_tune.load(pack, tp_rank=1, tp_size=2)
+    assert chain_kernels._offered == {chain_spec: pack / m.backward.so}
+    assert chain_kernels.library(chain_spec).path == pack / m.backward.so
     assert sorted(lib.plan.name for lib in ops.libraries.values()) == sorted(
         p.plan.name for p in m.plans if p.tp_size == 2)
     assert ops.warmup_table().tolist() == cal["model_table"][4:]

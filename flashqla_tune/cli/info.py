@@ -155,6 +155,9 @@ def _pack(path: Path, as_json: bool) -> int:
     host = m.host_extension
     print(f"  C++ host path: {host.so} (torch {host.torch}, {host.python_abi})" if host is not None
           else "  C++ host path: none (eager calls take the Python host path)")
+    backward = m.backward
+    print(f"  backward chain kernels: {backward.so}" if backward is not None else
+          "  backward chain kernels: none (a pack built before it carried them, or head dims without them: built on the first backward)")
     cal = info["calibration"]
     if cal is not None:
         st, corpus = cal["settings"], cal["corpus"]
