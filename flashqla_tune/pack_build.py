@@ -107,9 +107,6 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, s
         return False, f"checkpoint changed (pack has {old.checkpoint_sha256[:16]}, checkpoint is {sha[:16]})"
     if old.tool_version != __version__:
         return False, f"pack made by flashqla-tune {old.tool_version}, this is {__version__}"
-    backward_why = _backward_stale_reason(old)
-    if backward_why is not None:
-        return False, backward_why
     if spec is not None and old.spec != spec:
         return False, f"spec changed ({old.spec.name} -> {spec.name})"
     if tuple(old.tp_sizes) != tuple(tp_sizes):
@@ -118,6 +115,9 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, s
         return False, f"build options changed ({old.build} -> {options})"
     if want_tuned_on is not None and (not old.tuned or old.gpu.get("name") != want_tuned_on):
         return False, f"pack is {old.target}; tuning for {want_tuned_on} was asked"
+    backward_why = _backward_stale_reason(old)
+    if backward_why is not None:
+        return False, backward_why
     return True, f"up to date ({old.target}, checkpoint {sha[:16]})"
 
 

@@ -1,7 +1,18 @@
 """Fixtures several test modules share."""
 from __future__ import annotations
 
+import sys
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_offered_chain_library(monkeypatch):
+    """A pack loaded by one test offers its backward chain library process-wide (FakeBinary bytes in
+    the pack doubles): every test starts with none offered."""
+    chain_kernels = sys.modules.get("flashqla_tune.backward.chain_kernels")
+    if chain_kernels is not None:
+        monkeypatch.setattr(chain_kernels, "_offered", {})
 
 
 @pytest.fixture(scope="session")

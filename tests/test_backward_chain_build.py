@@ -159,16 +159,20 @@ def test_spec_for_names_the_dims_the_backward_is_built_for():
 
 
 def test_auto_falls_back_to_the_loops_with_one_warning_where_no_library_can_be_had(monkeypatch):
+    tries = []
+
     def unavailable(spec):
+        tries.append(spec)
         raise chain_kernels.ChainKernelError("no nvcc here (test double)")
 
     monkeypatch.setattr(chain_kernels, "library", unavailable)
-    monkeypatch.setattr(chunked_torch, "_WARNED_NO_CHAINS", [])
+    monkeypatch.setattr(chunked_torch, "_CHAIN_FAILURES", {})
     with pytest.warns(RuntimeWarning, match="no nvcc here .* torch loops"):
         assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
-    assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # warned once
+    assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # remembered: no second try, no warning
     with pytest.raises(chain_kernels.ChainKernelError, match="no nvcc"):
         chunked_torch._chain_library_or_none("kernels", 128, 128)
+    assert len(tries) == 1
 
 
 def test_chain_units_are_powers_of_two_per_sequence_and_head():

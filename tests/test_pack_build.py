@@ -80,7 +80,7 @@ def test_build_no_tune_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(chain_kernels, "_libraries", {})
     monkeypatch.setattr(chain_kernels, "_offered", {})
     ops = flashqla_tune.load(pack, tp_rank=1, tp_size=2)
-    assert chain_kernels._offered == {chain_spec: pack / m.backward.so}
+    assert chain_kernels._offered == {chain_spec: (pack / m.backward.so, m.backward.sha256)}
     assert chain_kernels.library(chain_spec).path == pack / m.backward.so
     assert sorted(lib.plan.name for lib in ops.libraries.values()) == sorted(
         p.plan.name for p in m.plans if p.tp_size == 2)

@@ -10,8 +10,10 @@ CUDA devices in place of its two loops over chunk positions:
 
 Their inputs are the batched part's per-chunk tensors in its padded chunk layout [chunks, Hv, 64, D]
 (pad rows zero): w, Kd and D Q and the scaled dO as the 16-bit wgmma operands (`OPERAND_DTYPE`,
-fp16 by default: three more mantissa bits than bf16; chunked_torch hands the gradient chain dO and
-dht brought to unit magnitude, so fp16's range holds them whatever a training step's loss scale),
+fp16 by default: three more mantissa bits than bf16; chunked_torch hands each chain its inputs
+scaled near unit magnitude per (sequence, v-head), so a training step's loss scale does not decide
+the range; the states themselves, rounded to fp16 as A operands, must stay below 65504 after that
+scaling, which normalised k and a decaying gate keep them far from),
 u and scale P^T dO in fp32, e^{gamma_C} in fp32; the
 states are fp32 [., Hv, K, V] (a state_v_first call's states are transposed outside, by the caller).
 The chains themselves accumulate in fp32.
@@ -108,7 +110,8 @@ def render_source(spec: ChainSpec) -> str:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())), undefined=jinja2.StrictUndefined,
                              autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     return env.get_template(TEMPLATE_NAME).render(
-        name=spec.name, spec_json=spec_json(spec), element_type=_ELEMENT_TYPES[spec.operand_dtype],
+        name=spec.name, abi_version=ABI_VERSION, spec_json=spec_json(spec),
+        element_type=_ELEMENT_TYPES[spec.operand_dtype],
         head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim, block_v=spec.block_v, stages=spec.stages)
 
 
@@ -151,11 +154,11 @@ class ChainLibrary:
     """An opened chain library, checked against this module's ABI and the spec it was asked for."""
 
     def __init__(self, so_path: Path, spec: ChainSpec):
-        from ..loader import check_elf
+        from ..loader import MalformedLibraryError, check_elf
 
         self.path, self.spec = Path(so_path), spec
-        check_elf(self.path)
         try:
+            check_elf(self.path)
             lib = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
             for name, res, args in (("fqt_bwd_chain_abi_version", ctypes.c_int32, []),
                                     ("fqt_bwd_chain_spec_json", ctypes.c_char_p, []),
@@ -164,7 +167,7 @@ class ChainLibrary:
                                     ("fqt_bwd_chain_error_string", ctypes.c_char_p, [ctypes.c_int32])):
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = res, args
-        except (OSError, AttributeError) as exc:
+        except (OSError, AttributeError, MalformedLibraryError) as exc:
             raise ChainKernelError(f"cannot load the backward chain library {self.path}: {exc}") from exc
         self._lib = lib
         version, size = lib.fqt_bwd_chain_abi_version(), lib.fqt_bwd_chain_args_bytes()

@@ -28,8 +28,9 @@ the backward
      whose reverse cumulative sum is dg -- batched over all chunks again.
 
 GVA: dq and dk are summed over each q/k head's v-heads; with use_qk_l2norm_in_kernel the
-gradients go back through x / sqrt(|x|^2 + eps). Like the PyTorch forward (measure/torch_chunked)
-it loops only over chunk positions, all sequences that still have a chunk there in lockstep.
+gradients go back through x / sqrt(|x|^2 + eps). Without the chain kernels it loops only over chunk
+positions, like the PyTorch forward (measure/torch_chunked): all sequences that still have a chunk
+there in lockstep.
 """
 from __future__ import annotations
 
@@ -179,23 +180,28 @@ def uses_chain_kernels(sequential: str, device, compute_dtype, head_k_dim: int, 
 
 
 def _chain_library_or_none(sequential: str, K: int, V: int):
-    """The chain library for these dims, or None (after one warning) where "auto" cannot build or
-    open it; "kernels" raises."""
+    """The chain library for these dims, or None where "auto" cannot build or open it: said once in
+    a warning, and remembered, so later backwards go to the loops without trying again; "kernels"
+    raises the error."""
     from . import chain_kernels
 
-    try:
-        return chain_kernels.library(chain_kernels.spec_for(K, V))
-    except chain_kernels.ChainKernelError as exc:
-        if sequential == "kernels":
-            raise
-        if not _WARNED_NO_CHAINS:
-            _WARNED_NO_CHAINS.append(True)
-            warnings.warn(f"{exc}; the backward runs its two chains as torch loops over chunk positions (the same "
-                          f"gradients, slower)", RuntimeWarning, stacklevel=3)
-        return None
+    spec = chain_kernels.spec_for(K, V)
+    failed = _CHAIN_FAILURES.get(spec)
+    if failed is None:
+        try:
+            return chain_kernels.library(spec)
+        except chain_kernels.ChainKernelError as exc:
+            failed = _CHAIN_FAILURES[spec] = exc
+            if sequential != "kernels":
+                warnings.warn(f"{exc}; the backward runs its two chains as torch loops over chunk positions (the "
+                              f"same gradients, slower)", RuntimeWarning, stacklevel=3)
+    if sequential == "kernels":
+        raise failed
+    return None
 
 
-_WARNED_NO_CHAINS: list = []
+# The chain libraries that could not be had in this process, by spec, with why.
+_CHAIN_FAILURES: dict = {}
 
 
 def chunk_gated_delta_rule_bwd_torch(
@@ -332,8 +338,9 @@ def chunk_gated_delta_rule_bwd_torch(
 
 def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None):
     """Powers of two, one per (sequence, v-head), that take the largest magnitude of a chain's inputs
-    (per_chunk [NC, Hv, ...] rows of the sequence's chunks, per_sequence [N, Hv, ...] or None) into
-    [1, 2); 1 where they are all zero. Returns them as [N, Hv, 1, 1] and per chunk [NC, Hv, 1, 1].
+    (per_chunk [NC, Hv, ...] rows of the sequence's chunks, per_sequence [N, Hv, ...] or None) near 1
+    (into [1, 2), or just below 1 where fp32's log2 rounds up to a power of two); 1 where they are
+    all zero. Returns them as [N, Hv, 1, 1] and per chunk [NC, Hv, 1, 1].
     Computed on the device, no host sync. A non-finite input is not scaled away: its sequence's
     results come out non-finite too."""
     N, Hv = grid.num_seqs, per_chunk.shape[1]

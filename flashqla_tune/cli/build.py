@@ -87,7 +87,7 @@ def run(args) -> int:
           "  C++ host path: not compiled here (the pack's eager calls take the Python host path)")
     backward = m.backward
     print(f"  backward chain kernels: {backward.so}" if backward is not None else
-          "  backward chain kernels: none for these head dims (the backward builds its chain kernels on first use)")
+          "  backward chain kernels: none for these head dims (the backward runs its chains as torch loops)")
     return 0
 
 

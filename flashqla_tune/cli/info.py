@@ -155,9 +155,8 @@ def _pack(path: Path, as_json: bool) -> int:
     host = m.host_extension
     print(f"  C++ host path: {host.so} (torch {host.torch}, {host.python_abi})" if host is not None
           else "  C++ host path: none (eager calls take the Python host path)")
-    backward = m.backward
-    print(f"  backward chain kernels: {backward.so}" if backward is not None else
-          "  backward chain kernels: none (a pack built before it carried them, or head dims without them: built on the first backward)")
+    print(f"  backward chain kernels: {m.backward.so}" if m.backward is not None else
+          f"  backward chain kernels: none ({describe_missing_backward(m)})")
     cal = info["calibration"]
     if cal is not None:
         st, corpus = cal["settings"], cal["corpus"]
@@ -168,3 +167,15 @@ def _pack(path: Path, as_json: bool) -> int:
     for problem in info["problems"]:
         print(f"  DAMAGED: {problem}")
     return 1 if info["problems"] else 0
+
+
+def describe_missing_backward(m) -> str:
+    """What a pack without the backward's chain library does on a backward."""
+    from ..backward import chain_kernels
+
+    try:
+        chain_kernels.spec_for(m.spec.head_k_dim, m.spec.head_v_dim)
+    except ValueError:
+        return "no chain kernels for these head dims: the backward runs its chains as torch loops"
+    return ("built before packs carried them: the first backward compiles them where nvcc is, else runs torch "
+            "loops; rebuild the pack to ship them")
