@@ -153,6 +153,9 @@ OP_CASES = {
     "strong_decay": ([2000], 2, 8, torch.bfloat16, "strong", True, True, False, False),
     "weak_decay": ([2000], 2, 8, torch.bfloat16, "weak", True, True, False, False),
     "zero_decay_no_state": ([1500], 2, 8, torch.bfloat16, "zero", False, False, False, False),
+    # a long sequence that never decays: the state and its gradient grow over 256 chunks, the
+    # headroom the fp16 operands of the chains need
+    "zero_decay_long": ([16384], 2, 4, torch.bfloat16, "zero", True, True, False, False),
 }
 
 
