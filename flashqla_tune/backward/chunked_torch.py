@@ -50,12 +50,16 @@ class ChunkGrid:
     chunks run at each chunk position. Tokens from cu_seqlens[-1] to T belong to no sequence."""
     num_seqs: int
     num_chunks: int
-    num_tokens: int           # cu_seqlens[-1]: the tokens that belong to a sequence
+    num_tokens: int           # cu_seqlens[-1]: the tokens that belong to a sequence (all rows: dump_slot)
     token_slot: torch.Tensor  # [num_tokens] slot (chunk * CHUNK + offset) of each token
     slot_token: torch.Tensor  # [num_chunks * CHUNK] token of each slot, or num_tokens for a pad slot
-    steps: tuple              # per chunk position: (sequence indices, or None when all run; chunk indices)
+    steps: tuple | None       # per chunk position: (sequence indices, or None when all run; chunk indices);
+                              # None for a grid built on the device (no host loop can use it)
     chunk_offsets: torch.Tensor  # [num_seqs + 1] int64: each sequence's first chunk, then num_chunks
     chunk_sequence: torch.Tensor  # [num_chunks] int64: the sequence each chunk belongs to
+    # A grid built on the device: token_slot covers every row, a row of no sequence naming the slot
+    # num_chunks * CHUNK past the chunks (a zero row from_chunks appends)
+    dump_slot: bool = False
 
 
 # Recent grids by (offsets, device), least recently used first: a training loop repeats few
@@ -101,6 +105,36 @@ def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
     return grid
 
 
+def device_chunk_grid(cu_seqlens: torch.Tensor, total_rows: int) -> ChunkGrid:
+    """The grid of device offsets `cu_seqlens` ([N + 1], N >= 1) over `total_rows` token rows, built
+    with device ops only (no host sync, so a backward through it can be captured in a CUDA graph).
+    The host does not know how many chunks the sequences take, so the grid has the most they can:
+    ceil(total_rows / 64) + N (each sequence's tail wastes less than one chunk); chunks past the
+    sequences' own belong to none (their inputs are zero, no kernel walks them, their outputs are
+    dropped). Offsets are clamped into [0, total_rows] and made non-decreasing first, so whatever
+    they hold, nothing is indexed out of bounds; steps is None (the torch loops need a host grid)."""
+    dev = cu_seqlens.device
+    N = cu_seqlens.numel() - 1
+    if N < 1:
+        raise ValueError("device_chunk_grid needs at least one sequence (cu_seqlens of two or more entries)")
+    cu = torch.cummax(cu_seqlens.to(torch.int64).clamp(0, total_rows), 0).values
+    nchunks = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    first = torch.cumsum(nchunks, 0) - nchunks
+    offsets = torch.cat([first, nchunks.sum().view(1)])
+    num_chunks = -(-total_rows // CHUNK) + N
+    sequence = torch.searchsorted(offsets[1:], torch.arange(num_chunks, device=dev), right=True).clamp(max=N - 1)
+    rows = torch.arange(total_rows, device=dev)
+    seq = torch.searchsorted(cu[1:], rows, right=True)              # N past the last sequence
+    in_seq = (seq < N) & (rows >= cu[0])
+    seq = seq.clamp(max=N - 1)
+    dump = num_chunks * CHUNK
+    token_slot = torch.where(in_seq, first[seq] * CHUNK + rows - cu[seq], torch.full_like(rows, dump))
+    slot_token = torch.full((dump + 1,), total_rows, dtype=torch.int64, device=dev)
+    slot_token.scatter_(0, token_slot, rows)                      # rows of no sequence land on the dump slot
+    return ChunkGrid(N, num_chunks, total_rows, token_slot, slot_token[:dump], None, offsets, sequence,
+                     dump_slot=True)
+
+
 def to_chunks(x: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
     """[T, H, D...] token rows -> [num_chunks, H, CHUNK, D...]; pad slots are zero (a zero k, v,
     beta and g leave the state as it is, so tails need no masking)."""
@@ -114,6 +148,8 @@ def from_chunks(xc: torch.Tensor, grid: ChunkGrid, total_tokens: int) -> torch.T
     to no sequence are zero)."""
     H, rest = xc.shape[1], xc.shape[3:]
     flat = xc.transpose(1, 2).reshape(grid.num_chunks * CHUNK, H, *rest)
+    if grid.dump_slot:  # every row names a slot; a row of no sequence the zero row past the chunks
+        return torch.cat([flat, flat.new_zeros((1, H, *rest))])[grid.token_slot]
     out = xc.new_zeros((total_tokens, H, *rest))
     out[:grid.num_tokens] = flat[grid.token_slot]
     return out
@@ -212,9 +248,10 @@ def chunk_gated_delta_rule_bwd_torch(
     """Gradients of <o, do> + <final_state, dht> for the op's forward (same arguments, the
     forward's o and final state never needed): q, k [B,T,Hqk,K], v and do [B,T,Hv,V], g and beta
     [B,T,Hv], dht and initial_state [N,Hv,K,V] ([N,Hv,V,K] with state_v_first) or None. Computes
-    in compute_dtype (fp32; float64 makes it an exact check of the algorithm). Without
-    cu_seqlens_cpu a varlen call reads cu_seqlens on the host (one device sync). sequential picks
-    how steps 1 and 2 run (uses_chain_kernels): the chain kernels or the torch loops."""
+    in compute_dtype (fp32; float64 makes it an exact check of the algorithm). sequential picks
+    how steps 1 and 2 run (uses_chain_kernels): the chain kernels, whose chunk grid is built on the
+    device (device_chunk_grid: no host sync), or the torch loops, which read cu_seqlens on the host
+    (one device sync without cu_seqlens_cpu)."""
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
@@ -222,16 +259,27 @@ def chunk_gated_delta_rule_bwd_torch(
     if g.shape != (B, T, Hv) or beta.shape != (B, T, Hv) or do.shape != v.shape:
         raise ValueError(f"g {tuple(g.shape)}, beta {tuple(beta.shape)} must be {(B, T, Hv)} and do "
                          f"{tuple(do.shape)} must be v's {tuple(v.shape)}")
-    grid = chunk_grid(_host_bounds(B, T, cu_seqlens, cu_seqlens_cpu), v.device)
+    kernels = uses_chain_kernels(sequential, v.device, compute_dtype, K, V) and (
+        _chain_library_or_none(sequential, K, V) is not None)
+    if kernels and B * T > 0 and (cu_seqlens is None or cu_seqlens.numel() > 1):
+        # the chains walk the device offsets: the whole backward runs without a host sync
+        if cu_seqlens_cpu is not None:
+            _host_bounds(B, T, cu_seqlens, cu_seqlens_cpu)   # checked where the host has them
+        offsets = (cu_seqlens if cu_seqlens is not None
+                   else torch.arange(0, (B + 1) * T, T, dtype=torch.int64, device=v.device))
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got {B}")
+        grid = device_chunk_grid(offsets.to(v.device), B * T)
+    else:
+        grid = chunk_grid(_host_bounds(B, T, cu_seqlens, cu_seqlens_cpu), v.device)
     N, NC = grid.num_seqs, grid.num_chunks
     state_shape = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
     for name, state in (("initial_state", initial_state), ("dht", dht)):
         if state is not None and tuple(state.shape) != state_shape:
             raise ValueError(f"{name} shape {tuple(state.shape)}, expected {state_shape}")
     scale = K ** -0.5 if scale is None else float(scale)
-    dt, dev = compute_dtype, v.device
+    dt = compute_dtype
     group = Hv // Hqk
-    kernels = uses_chain_kernels(sequential, dev, dt, K, V) and _chain_library_or_none(sequential, K, V) is not None
 
     def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
         return x.reshape(B * T, *x.shape[2:]).to(dt)
