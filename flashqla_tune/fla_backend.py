@@ -6,11 +6,10 @@ FLA runs `chunk_gated_delta_rule_verifier`; a refusal (with its reason, which FL
 the call on to the next backend or FLA's Triton kernels. FLA calls carry no layer index, so
 the pack runs with its model-wide warm-up table (per head the largest n_h over layers), guarded
 like every pack call (see flashqla_tune.packed_ops). The pack's op is differentiable, so calls
-that need a gradient (FLA's training path) are taken too. FLA's in-kernel gate and beta options
-(use_gate_in_kernel with A_log and dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: what FLA's
-GatedDeltaNet layer passes) are taken as well: a pack's plans are built for precomputed gates, so
-the backend computes g and beta with the kernels' formulas in PyTorch first (ops.gates_in_torch,
-fp32, differentiable) and hands the pack those. fla is imported only when registering.
+that need a gradient (FLA's training path) are taken too, and so are FLA's in-kernel gate and beta
+options (use_gate_in_kernel with A_log and dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval:
+what FLA's GatedDeltaNet layer passes), which the pack's op applies. fla is imported only when
+registering.
 """
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, outp
     that need a gradient are taken: the pack's op is differentiable (flashqla_tune.ops registers its
     backward). Cheap, no side effects."""
     try:
-        op_checks.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,
-                                gate_options=True)
+        op_checks.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
     except (TypeError, ValueError) as exc:  # UnsupportedError is a ValueError
         return False, str(exc)
     try:
@@ -66,18 +64,6 @@ def verify_call(pack_ops, q, k, v, g, beta, scale=None, initial_state=None, outp
     return True, None
 
 
-def gates_for_pack(g, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs):
-    """A verified call's g and beta with FLA's in-kernel options applied in PyTorch (ops.gates_in_torch),
-    and the options the pack's op then gets (none of them): (g, beta, use_beta_sigmoid_in_kernel,
-    allow_neg_eigval, kwargs)."""
-    options = op_checks.gate_options_of(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
-    if options == op_checks.NO_GATE_OPTIONS:
-        return g, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs
-    g, beta = op_checks.gates_in_torch(g, beta, kwargs.get("A_log"), kwargs.get("dt_bias"), options)
-    rest = {name: value for name, value in kwargs.items() if name not in ("use_gate_in_kernel", "A_log", "dt_bias")}
-    return g, beta, False, False, rest
-
-
 def backend_class(pack_ops, base: type, priority: int = DEFAULT_PRIORITY, device_arch=cuda_arch) -> type:
     """A subclass of FLA's BaseBackend bound to one loaded pack (FLA instantiates it without
     arguments, so the pack travels as a class attribute)."""
@@ -98,8 +84,6 @@ def backend_class(pack_ops, base: type, priority: int = DEFAULT_PRIORITY, device
                                    allow_neg_eigval=False, state_v_first=False, cu_seqlens=None,
                                    cu_seqlens_cpu=None, chunk_indices=None, cp_context=None, **kwargs):
             # Verified already; the pack's op checks the options again. No layer index from FLA.
-            g, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs = gates_for_pack(
-                g, beta, use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
             return self.pack_ops.chunk_gated_delta_rule(
                 q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,

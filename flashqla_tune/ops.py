@@ -142,13 +142,13 @@ _KNOWN_ELSEWHERE = {
 
 
 def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_indices=None, cp_context=None,
-                  kwargs=None, extra_known: dict[str, str] | None = None, gate_options: bool = False) -> None:
+                  kwargs=None, extra_known: dict[str, str] | None = None) -> None:
     """Refuse, by name and value, an FLA option the kernels cannot honour (no GPU work, no sync).
     kwargs holds the call's keyword options beyond the signature; extra_known maps a keyword a
     caller of this op might pass to why it is refused there (a pack's op refuses warmup so).
-    gate_options: the caller honours FLA's in-kernel gate and beta options (use_gate_in_kernel with
-    A_log and dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval); a caller that does not (a
-    pack's op, whose plans are built without them) gets them refused by name."""
+    FLA's in-kernel gate and beta options (use_gate_in_kernel with A_log and dt_bias,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval) are honoured; only their inconsistent uses are
+    refused."""
     kwargs = kwargs or {}
     use_gate_in_kernel = kwargs.get("use_gate_in_kernel", False)
     for name, flag in (("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel), ("allow_neg_eigval", allow_neg_eigval)):
@@ -166,18 +166,7 @@ def check_options(use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chun
     if cp_context is not None:
         raise UnsupportedError(f"cp_context={type(cp_context).__name__} is not supported: the kernels run "
                                f"no inter-GPU context parallelism (pass cp_context=None)")
-    if not gate_options:
-        if use_gate_in_kernel:
-            raise UnsupportedError(f"use_gate_in_kernel={use_gate_in_kernel!r} is not supported here: pass g as "
-                                   f"the precomputed log decay (-exp(A_log) * softplus(a + dt_bias))")
-        if use_beta_sigmoid_in_kernel:
-            raise UnsupportedError(f"use_beta_sigmoid_in_kernel={use_beta_sigmoid_in_kernel!r} is not supported "
-                                   f"here: pass beta after its sigmoid")
-        for name in ("A_log", "dt_bias"):
-            if kwargs.get(name) is not None:
-                raise UnsupportedError(f"{name} (a {type(kwargs[name]).__name__}) is not supported here: it feeds "
-                                       f"the in-kernel gate (use_gate_in_kernel); pass g precomputed and {name}=None")
-    elif use_gate_in_kernel:
+    if use_gate_in_kernel:
         if kwargs.get("A_log") is None:
             raise ValueError("use_gate_in_kernel=True needs A_log (the [Hv] decay parameter of "
                              "g = -exp(A_log) * softplus(g + dt_bias)); got A_log=None")
@@ -345,8 +334,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     gate_options = NO_GATE_OPTIONS
     if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
             or chunk_indices is not None or cp_context is not None):
-        check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,
-                      gate_options=True)
+        check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs)
         gate_options = gate_options_of(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
     check_scale(scale)
     if gate_options != NO_GATE_OPTIONS:

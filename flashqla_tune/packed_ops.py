@@ -144,11 +144,21 @@ class PackOps:
         the op's arguments and options (ops.check_options refuses the same ones, by name) and
         layer (keyword only) in place of warmup/warmup_eps: the table and eps are the calibration's.
         Returns (o [B,T,Hv,V], final_state fp32 or None), differentiable as the op's are (autograd
-        through q, k, v, g, beta and initial_state, with gradients for o and the final state)."""
+        through q, k, v, g, beta and initial_state, with gradients for o and the final state).
+        FLA's in-kernel gate and beta options are applied in PyTorch with the kernels' formulas
+        (ops.gates_in_torch, differentiable: autograd reaches A_log and dt_bias) before the pack's
+        plans, which take precomputed gates, run."""
         if (kwargs or use_beta_sigmoid_in_kernel is not False or allow_neg_eigval is not False
                 or chunk_indices is not None or cp_context is not None):
             ops.check_options(use_beta_sigmoid_in_kernel, allow_neg_eigval, chunk_indices, cp_context, kwargs,
                               _PACK_KEYWORDS)
+            options = ops.gate_options_of(use_beta_sigmoid_in_kernel, allow_neg_eigval, kwargs)
+            if options != ops.NO_GATE_OPTIONS:
+                Hv = ops.check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first)[3]
+                A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+                if options[0]:
+                    ops.check_gate_params(A_log, dt_bias, Hv, q.device)
+                g, beta = ops.gates_in_torch(g, beta, A_log, dt_bias, options)
         ops.check_scale(scale)  # the C++ host path takes scale as it is
         values = self._table_values.get(layer) if type(layer) is not bool else None
         key = ops.host_key(q, v, state_v_first, values, self.warmup_eps, self._host_tag) if values else None

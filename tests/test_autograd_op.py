@@ -224,6 +224,31 @@ def test_a_packs_op_is_differentiable(forward_double, tmp_path):
     assert warmup == pack.bound_call(leaves["q"], leaves["v"], False, 1).warmup   # the layer's table ran
 
 
+def test_a_packs_op_applies_flas_in_kernel_options_differentiably(forward_double, tmp_path):
+    """A pack's plans take precomputed gates: its op applies FLA's in-kernel options with the kernels'
+    formulas in PyTorch first, so the result is the op's on those gates and autograd reaches A_log and
+    dt_bias (dA_log = sum over tokens of dg * g, the gate being -exp(A_log) softplus(.))."""
+    from flashqla_tune.oracle import apply_gate_options
+
+    pack = flashqla_tune.load(make_pack(tmp_path / "p"), gpu=None, open_library=FakeLibraryOpener())
+    leaves, cu, gen = make_leaves(9, seqlens=[70, 10], hv=8)
+    A_log = torch.randn(8, generator=gen).requires_grad_(True)
+    dt_bias = torch.randn(8, generator=gen).requires_grad_(True)
+    o, _ = pack.chunk_gated_delta_rule(**leaves, cu_seqlens=cu, use_gate_in_kernel=True, A_log=A_log,
+                                       dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    do = torch.randn(o.shape, generator=gen).bfloat16()
+    o.backward(do)
+    g_t, beta_t = apply_gate_options(leaves["g"].detach(), leaves["beta"].detach(), A_log.detach(),
+                                     dt_bias.detach(), True, True, True)
+    pre = {n: t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
+    pre["g"], pre["beta"] = g_t.float().requires_grad_(True), beta_t.float().requires_grad_(True)
+    o_pre, _ = pack.chunk_gated_delta_rule(**pre, cu_seqlens=cu)
+    o_pre.backward(do)
+    assert rel_l2(o.double(), o_pre.double()) < 1e-4   # fp32 gates against float64 ones rounded to fp32
+    want = (pre["g"].grad.double() * g_t).sum((0, 1))
+    assert rel_l2(A_log.grad.double(), want) < 1e-4 and dt_bias.grad is not None and leaves["g"].grad is not None
+
+
 def FakeHopper(t):   # noqa: N802 - a test double for fla_backend.cuda_arch
     return (9, 0)
 

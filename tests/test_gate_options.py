@@ -94,12 +94,14 @@ def test_gate_parameters_are_checked_naming_the_value(run_calls, A_log, dt_bias,
     assert run_calls == []
 
 
-def test_a_packs_op_keeps_refusing_the_options_it_cannot_honour():
-    """check_options without gate_options (a pack's op: its plans take precomputed gates) refuses them."""
-    for kw, match in ((dict(kwargs={"use_gate_in_kernel": True, "A_log": torch.zeros(HV)}), "use_gate_in_kernel=True"),
-                      (dict(use_beta_sigmoid_in_kernel=True), "use_beta_sigmoid_in_kernel=True"),
-                      (dict(kwargs={"dt_bias": torch.zeros(HV)}), "dt_bias")):
-        with pytest.raises(ops.UnsupportedError, match=match):
+def test_inconsistent_uses_of_the_options_are_refused_by_name():
+    """What FLA would silently ignore or refuse: A_log or dt_bias without use_gate_in_kernel,
+    allow_neg_eigval without the sigmoid, the in-kernel gate without A_log."""
+    for kw, match in ((dict(kwargs={"A_log": torch.zeros(HV)}), "A_log .* use_gate_in_kernel=False"),
+                      (dict(kwargs={"dt_bias": torch.zeros(HV)}), "dt_bias .* use_gate_in_kernel=False"),
+                      (dict(allow_neg_eigval=True), "requires use_beta_sigmoid_in_kernel=True"),
+                      (dict(kwargs={"use_gate_in_kernel": True}), "needs A_log")):
+        with pytest.raises(ValueError, match=match):
             ops.check_options(**kw)
 
 
