@@ -284,7 +284,7 @@ def test_a_model_is_routed_once_at_a_time(model, shipped_pack):
 
 @pytest.mark.parametrize("kwargs, error, name", [
     ({"chunk_size": 32}, ops.UnsupportedError, "chunk_size=32"),
-    ({"use_beta_sigmoid_in_kernel": True}, ops.UnsupportedError, "use_beta_sigmoid_in_kernel"),
+    ({"allow_neg_eigval": True}, ops.UnsupportedError, "allow_neg_eigval"),  # without the sigmoid, as FLA
     ({"head_first": True}, TypeError, "head_first"),
     ({"seq_idx": torch.zeros(1, 20, dtype=torch.int32)}, ops.UnsupportedError, "seq_idx"),
 ], ids=["chunk_size", "op_option", "fla_removed_option", "seq_idx_alone"])
@@ -294,7 +294,7 @@ def test_unsupported_arguments_are_refused_by_name(model, shipped_pack, kwargs, 
         with pytest.raises(error, match=name) as info:
             model(tokens(batch=1, length=20), **kwargs)
     assert shipped_pack.calls == []
-    if error is ops.UnsupportedError and name.startswith("use_beta"):
+    if error is ops.UnsupportedError and name.startswith("allow_neg"):
         assert any("GDN layer 0, decoder layer 0" in note for note in getattr(info.value, "__notes__", []))
 
 

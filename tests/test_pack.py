@@ -217,13 +217,16 @@ def test_a_packs_op_takes_flas_positional_order_and_refuses_what_the_op_refuses(
     (args, kw), = seen
     assert args[5:11] == (0.5, None, True, True, False, cu) and kw["longest_tokens"] == 3
     assert kw["warmup"] == o.warmup_table(1).tolist()
-    for option, match in ((dict(use_beta_sigmoid_in_kernel=True), "use_beta_sigmoid_in_kernel=True"),
-                          (dict(allow_neg_eigval=True), "allow_neg_eigval=True"),
+    for option, match in ((dict(allow_neg_eigval=True), "allow_neg_eigval=True requires use_beta_sigmoid"),
                           (dict(cp_context=object()), "cp_context=object"),
-                          (dict(use_gate_in_kernel=True), "use_gate_in_kernel=True"),
+                          (dict(use_gate_in_kernel=True), "use_gate_in_kernel=True needs A_log"),
                           (dict(chunk_size=32), "chunk_size=32")):
-        with pytest.raises(ops.UnsupportedError, match=match):
+        with pytest.raises(ValueError, match=match):   # UnsupportedError is a ValueError
             o.chunk_gated_delta_rule(q, q, v, g, g, layer=1, **option)
+    # FLA's in-kernel beta is applied before the plan (which takes precomputed gates) runs
+    o.chunk_gated_delta_rule(q, q, v, g, g, layer=1, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True)
+    (args, kw) = seen.pop()
+    assert torch.equal(args[4], torch.ones_like(g)) and torch.equal(args[3], g)   # 2 sigmoid(0), the gate as given
     with pytest.raises(TypeError, match="'warmup' .*from its calibration: pass layer="):
         o.chunk_gated_delta_rule(q, q, v, g, g, warmup=[3] * 8)
     with pytest.raises(TypeError, match="unexpected keyword argument 'head_first'"):
@@ -231,7 +234,7 @@ def test_a_packs_op_takes_flas_positional_order_and_refuses_what_the_op_refuses(
     with pytest.raises(TypeError, match="positional argument"):
         o.chunk_gated_delta_rule(q, q, v, g, g, None, None, False, False, False, False, False, None, None, None,
                                  None, 1)
-    assert len(seen) == 1 and len(asked) == 1
+    assert len(seen) == 1 and len(asked) == 2
 
 
 def test_a_packs_segment_table_reaches_the_op_under_a_qualified_name(tmp_path, monkeypatch):
