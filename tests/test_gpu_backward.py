@@ -100,27 +100,39 @@ def fla_errors(leaves, do, dfinal, cu, layout_vk, l2norm, ref):
     return {n: rel_l2(grads[n], ref[n]) for n in ref}
 
 
+def check_against_oracle(name, seed, grads, leaves, do, dfinal, cu, vk, l2norm, bar_of) -> str:
+    """Each gradient in `grads` against float64 autograd of the chunked forward, FLA's error on the
+    same inputs beside it: in its leaf's dtype, finite, and within bar_of(leaf, FLA's error, or None
+    without FLA). Returns the case's line (the reference used and every error with its bar)."""
+    oracle = recurrent_gated_delta_rule_gradients(
+        **leaves, do=do, dht=dfinal, scale=128 ** -0.5, use_qk_l2norm_in_kernel=l2norm, state_v_first=vk,
+        cu_seqlens=cu, form="chunked")
+    ref = {n: getattr(oracle, ORACLE_NAMES[n]) for n in LEAVES if leaves[n] is not None}
+    fla = fla_errors(leaves, do, dfinal, cu, vk, l2norm, ref)
+    parts = []
+    for n, want in ref.items():
+        got = grads[n]
+        assert got is not None and got.dtype == leaves[n].dtype, (name, n)
+        assert torch.isfinite(got).all(), f"{name}: non-finite elements in the gradient of {n}"
+        err = rel_l2(got, want)
+        bar = bar_of(n, fla[n] if fla else None)
+        parts.append(f"d{n}={err:.2e} (bar {bar:.2e}" + (f", fla {fla[n]:.2e})" if fla else ")"))
+        assert err <= bar, f"{name} seed={seed} d{n}={err:.2e} > {bar:.2e}"
+    return f"reference={'FLA' if fla else 'floor'} " + " ".join(parts)
+
+
+def backward_bar(n, fla):
+    return min(max(2 * fla, FLOOR[n]), CEILING[n]) if fla is not None else FLOOR[n]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_backward_matches_float64_oracle(name):
     seqlens, hqk, hv, dtype, decay, h0, dht, vk, l2norm, warmup = CASES[name]
     for seed in range(3):
         leaves, do, dfinal, cu = make_case(1000 * seed + 11, seqlens, hqk, hv, dtype, decay, h0, dht, vk, l2norm)
         grads = run(ops.chunk_gated_delta_rule, leaves, do, dfinal, cu, vk, l2norm, warmup=warmup)
-        oracle = recurrent_gated_delta_rule_gradients(
-            **leaves, do=do, dht=dfinal, scale=128 ** -0.5, use_qk_l2norm_in_kernel=l2norm, state_v_first=vk,
-            cu_seqlens=cu, form="chunked")
-        ref = {n: getattr(oracle, ORACLE_NAMES[n]) for n in LEAVES if leaves[n] is not None}
-        fla = fla_errors(leaves, do, dfinal, cu, vk, l2norm, ref)
-        parts = []
-        for n, want in ref.items():
-            got = grads[n]
-            assert got is not None and got.dtype == leaves[n].dtype, (name, n)
-            assert torch.isfinite(got).all(), f"{name}: non-finite elements in the gradient of {n}"
-            err = rel_l2(got, want)
-            bar = min(max(2 * fla[n], FLOOR[n]), CEILING[n]) if fla else FLOOR[n]
-            parts.append(f"d{n}={err:.2e} (bar {bar:.2e}" + (f", fla {fla[n]:.2e})" if fla else ")"))
-            assert err <= bar, f"{name} seed={seed} d{n}={err:.2e} > {bar:.2e}"
-        line = f"{name:24s} seed={seed} reference={'FLA' if fla else 'floor'} " + " ".join(parts)
+        line = f"{name:24s} seed={seed} " + check_against_oracle(name, seed, grads, leaves, do, dfinal, cu, vk,
+                                                                    l2norm, backward_bar)
         print(line)
         LOG.append(line)
 

@@ -28,12 +28,12 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
 from gdn_inputs import gate_values, rel_l2  # noqa: E402
-from test_gpu_backward import ORACLE_NAMES, fla_errors, make_case, run  # noqa: E402
+from test_gpu_backward import check_against_oracle, make_case, run  # noqa: E402
+from test_gpu_forward import captured  # noqa: E402
 
 from flashqla_tune import ops  # noqa: E402  (registers flashqla_tune::gdn_bwd)
 from flashqla_tune.backward import chain_kernels, chunked_torch  # noqa: E402
 from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse  # noqa: E402
-from flashqla_tune.oracle.gradients import recurrent_gated_delta_rule_gradients  # noqa: E402
 
 DEV = "cuda"
 K = V = 128
@@ -189,23 +189,14 @@ def test_op_gradients_with_chain_kernels_match_float64(name):
             size = TINY_OUTPUT_GRADIENT[name]
             do, dfinal = (do.float() * size).to(do.dtype), dfinal * size
         grads = op_backward(leaves, do, dfinal, cu, vk, l2norm)
-        oracle = recurrent_gated_delta_rule_gradients(
-            **leaves, do=do, dht=dfinal, scale=128 ** -0.5, use_qk_l2norm_in_kernel=l2norm, state_v_first=vk,
-            cu_seqlens=cu, form="chunked")
-        ref = {n: getattr(oracle, ORACLE_NAMES[n]) for n in leaves if leaves[n] is not None}
-        fla = fla_errors(leaves, do, dfinal, cu, vk, l2norm, ref)
-        parts = []
-        for n, want in ref.items():
-            got = grads[n]
-            assert got is not None and got.dtype == leaves[n].dtype, (name, n)
-            assert torch.isfinite(got).all(), f"{name}: non-finite elements in the gradient of {n}"
-            err = rel_l2(got, want)
-            bar = min(max(2 * fla[n], FLOOR), CEILING) if fla else CEILING
-            parts.append(f"d{n}={err:.2e} (bar {bar:.2e}" + (f", fla {fla[n]:.2e})" if fla else ")"))
-            assert err <= bar, f"{name} seed={seed} d{n}={err:.2e} > {bar:.2e}"
-        line = f"op {name:24s} seed={seed} reference={'FLA' if fla else 'floor'} " + " ".join(parts)
+        line = f"op {name:24s} seed={seed} " + check_against_oracle(name, seed, grads, leaves, do, dfinal, cu, vk,
+                                                                       l2norm, chain_op_bar)
         print(line)
         LOG.append(line)
+
+
+def chain_op_bar(n, fla):
+    return min(max(2 * fla, FLOOR), CEILING) if fla is not None else CEILING
 
 
 def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph():
@@ -219,22 +210,14 @@ def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph():
     static_do, static_dfinal = do.clone(), dfinal.clone()
 
     def step():
+        for t in static.values():  # each run's backward writes fresh gradients (the captured one in the graph's pool)
+            t.grad = None
         o, final = ops.chunk_gated_delta_rule(
             static["q"], static["k"], static["v"], static["g"], static["beta"], scale=128 ** -0.5,
             initial_state=static["initial_state"], output_final_state=True, cu_seqlens=cu)
         torch.autograd.backward([o, final], [static_do, static_dfinal])
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: the plan and the chain library built and opened
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in static.values():
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = captured(step, warmups=2)  # warm-up: the plan and the chain library built and opened
     fresh, fresh_do, fresh_dfinal, _ = make_case(6, *shape)
     with torch.no_grad():
         for n, t in fresh.items():

@@ -120,19 +120,29 @@ def assert_written_and_equal(a, b):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def assert_replay_on_new_inputs_equals_eager(call, inp, fresh):
-    """call() (reading the tensors of inp) warmed up on a side stream, captured in a CUDA graph;
-    then inp takes fresh's values in place and the replay must equal an eager call bitwise."""
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+def captured(call, warmups=1):
+    """call() run `warmups` times on a side stream (plans built, host paths settled), then captured in
+    a CUDA graph: (the graph, what the captured call returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
             call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, s_g = call()
-        for name in ("q", "k", "v", "g", "beta", "initial_state"):
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
+def assert_replay_on_new_inputs_equals_eager(call, inp, fresh,
+                                            names=("q", "k", "v", "g", "beta", "initial_state")):
+    """call() (reading the tensors of inp) warmed up on a side stream, captured in a CUDA graph;
+    then inp's tensors `names` take fresh's values in place and the replay must equal an eager call
+    bitwise."""
+    with torch.no_grad():
+        graph, (o_g, s_g) = captured(call)
+        for name in names:
             inp[name].copy_(fresh[name])
         graph.replay()
         o_e, s_e = call()
@@ -212,14 +222,7 @@ def test_public_op_graph_capture_and_dense_batch():
     kw = dict(initial_state=inp["initial_state"], output_final_state=True, cu_seqlens=inp["cu_seqlens"])
     with torch.no_grad():
         o_eager, s_eager = ops.chunk_gated_delta_rule(*args, **kw)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            ops.chunk_gated_delta_rule(*args, **kw)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, s_g = ops.chunk_gated_delta_rule(*args, **kw)
+        graph, (o_g, s_g) = captured(lambda: ops.chunk_gated_delta_rule(*args, **kw))
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(o_g, o_eager) and torch.equal(s_g, s_eager)

@@ -246,22 +246,9 @@ def test_the_public_op_runs_the_options_in_the_kernels_and_in_a_cuda_graph():
         o, s = ops.chunk_gated_delta_rule(*args, **kw)
     ref_o, ref_s = reference(inp, False)
     assert rel_l2(o, ref_o) < 1e-2 and rel_l2(s.transpose(-1, -2), ref_s) < 1e-2
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            ops.chunk_gated_delta_rule(*args, **kw)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_g, s_g = ops.chunk_gated_delta_rule(*args, **kw)
-        fresh = make_case(4, [700, 300], 2, 8, torch.bfloat16, "mixed", True, True, GSN)
-        for name in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"):
-            inp[name].copy_(fresh[name])
-        graph.replay()
-        o_e, s_e = ops.chunk_gated_delta_rule(*args, **kw)
-    torch.cuda.synchronize()
-    assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+    fresh = make_case(4, [700, 300], 2, 8, torch.bfloat16, "mixed", True, True, GSN)
+    fwd.assert_replay_on_new_inputs_equals_eager(lambda: ops.chunk_gated_delta_rule(*args, **kw), inp, fresh,
+                                                 names=("q", "k", "v", "g", "beta", "A_log", "dt_bias"))
 
 
 def test_gradients_through_the_options_reach_a_log_dt_bias_and_the_raw_inputs():
