@@ -131,6 +131,26 @@ collect_forward_groups() {
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" | grep -v "^cp "
   grep -E "^FAILED" "$OUT/gpu_tests.log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
 }
+# parallel_gpu_tests LOG TIMEOUT_S FILE...: the GPU tests of FILE... in TEST_WORKERS (default 6) pytest
+# processes on GPU 0, test by test in turn (the cases are long because of the peers' JIT compiles, which
+# are CPU-bound, so processes overlap them); LOG is their logs one after another, each ending with its
+# own counts; prints the counts and the failures.
+parallel_gpu_tests() {
+  local log=$1 limit=$2 workers=${TEST_WORKERS:-6} ids=() w i
+  shift 2
+  mapfile -t ids < <(python3 -m pytest -q -m gpu --collect-only -p no:cacheprovider "$@" 2>/dev/null | grep "::")
+  [ ${#ids[@]} -gt 0 ] || { echo "no GPU tests collected in $*" >&2; return 1; }
+  for ((w = 0; w < workers && w < ${#ids[@]}; w++)); do
+    local mine=()
+    for ((i = w; i < ${#ids[@]}; i += workers)); do mine+=("${ids[$i]}"); done
+    CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 -m pytest -q -s -m gpu -p no:cacheprovider --durations=0 \
+      "${mine[@]}" > "$log.$w" 2>&1 &
+  done
+  wait
+  cat "$log".[0-9]* > "$log" && rm -f "$log".[0-9]*
+  echo "${#ids[@]} tests in $w processes:"; grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$log"
+  grep -E "^FAILED" "$log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
+}
 info() {
   python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
 }
@@ -213,16 +233,10 @@ case "$STEP" in
   backward-tests)
     # FLA's Triton chunk_bwd_dqkwg raises on Hopper with Triton < 3.7.1 unless its TileLang backend
     # serves it, which needs FLA's dispatch on; FLA_FLASH_QLA=0 keeps FLA's whole op from going to FlashQLA.
-    FLA_DISABLE_BACKEND_DISPATCH=0 FLA_FLASH_QLA=0 timeout "${TESTS_TIMEOUT_S:-400}" python3 -m pytest -q -s -m gpu \
-      tests/test_gpu_backward_chain.py tests/test_gpu_backward.py -p no:cacheprovider --durations=0 \
-      > "$OUT/gpu_tests_backward.log" 2>&1
-    echo "backward-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests_backward.log" | tail -n 2
-    grep -E "^FAILED" "$OUT/gpu_tests_backward.log" | head -n 12 | cut -c1-300 || true ;;
+    FLA_DISABLE_BACKEND_DISPATCH=0 FLA_FLASH_QLA=0 parallel_gpu_tests "$OUT/gpu_tests_backward.log" \
+      "${TESTS_TIMEOUT_S:-480}" tests/test_gpu_backward_chain.py tests/test_gpu_backward.py ;;
   gate-tests)
-    timeout "${TESTS_TIMEOUT_S:-500}" python3 -m pytest -q -s -m gpu tests/test_gpu_gate_options.py -p no:cacheprovider \
-      --durations=0 > "$OUT/gpu_tests_gates.log" 2>&1
-    echo "gate-tests rc=$?"; grep -E "passed|failed|error" "$OUT/gpu_tests_gates.log" | tail -n 2
-    grep -E "^FAILED" "$OUT/gpu_tests_gates.log" | head -n 12 | cut -c1-300 || true ;;
+    parallel_gpu_tests "$OUT/gpu_tests_gates.log" "${TESTS_TIMEOUT_S:-480}" tests/test_gpu_gate_options.py ;;
   backward-bench)
     # the script sets FLA's environment itself (--fla-dispatch) before it imports FLA
     timeout "${BWD_TIMEOUT_S:-560}" python3 -P benchmarks/backward_bench.py "$OUT/bwd" --prewarm "${@:2}" \
