@@ -15,7 +15,7 @@ import ctypes
 import pytest
 import torch
 
-from flashqla_tune.backward import chain_kernels, chain_segments, chunked_torch
+from flashqla_tune.backward import chain_kernels, chunked_torch
 from flashqla_tune.backward.chain_kernels import ChainSpec
 
 from toolchain import needs_nvcc
@@ -145,7 +145,7 @@ def test_launch_refuses_tensors_it_cannot_take():
     """Checked on the host before any library is opened: CPU tensors, a wrong operand dtype."""
     w = torch.zeros(2, 3, 64, 128, dtype=torch.float16)
     u = torch.zeros(2, 3, 64, 128)
-    offsets = chain_segments.whole_sequences(torch.tensor([0, 2]))
+    offsets = torch.tensor([0, 2])
     with pytest.raises(ValueError, match="w: expected a contiguous torch.float16 tensor .* on a CUDA device"):
         chain_kernels.chain_states(w, w, u, torch.ones(2, 3), offsets)
     with pytest.raises(ValueError, match="w: expected a contiguous torch.float16"):

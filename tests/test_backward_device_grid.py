@@ -10,15 +10,13 @@ in-kernel L2 norm, and output gradients far below fp16's normal range.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from gdn_inputs import rel_l2
 from test_backward_reference import draw
 
-from flashqla_tune.backward import chain_kernels, chain_segments, chunked_torch
+from flashqla_tune.backward import chain_kernels, chunked_torch
 from flashqla_tune.backward.chunked_torch import chunk_gated_delta_rule_bwd_torch
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -53,75 +51,43 @@ def test_the_device_grid_stays_in_bounds_whatever_the_offsets_hold():
 
 class ChainKernelsDouble:
     """Test double of chain_kernels.chain_states / chain_gradients: the same arguments (16-bit operands,
-    fp32 tiles, device segments with the guard's input), the same recurrences walked per segment and
-    v-head on the CPU in fp32 with the kernels' warm-up rule (csrc/gdn_bwd_chain.cuh chain_range), and
-    NaN in every chunk no segment stores, as the kernels leave those unwritten."""
+    fp32 tiles, device offsets), the same recurrences walked per sequence on the CPU in fp32, and
+    NaN in every chunk no sequence owns, as the kernels leave those unwritten."""
 
     def __init__(self):
         self.calls = []
-        self.warm_windows = 0     # windows taken (not refused by the guard), over both directions
 
     @staticmethod
-    def _outputs(w, add, segments):
+    def _outputs(w, add, offsets):
         NC, Hv, C, K = w.shape
-        V, N = add.shape[-1], segments.num_seqs
+        V, N = add.shape[-1], offsets.numel() - 1
         nan = float("nan")
-        return (torch.full((NC, Hv, K, V), nan), torch.full((NC, Hv, C, V), nan), torch.full((N, Hv, K, V), nan))
+        return (torch.full((NC, Hv, K, V), nan), torch.full((NC, Hv, C, V), nan), torch.full((N, Hv, K, V), nan),
+                [(int(offsets[i]), int(offsets[i + 1])) for i in range(N)])
 
-    def _walks(self, segments, guard, backward):
-        """(v-head, chunks in walk order, warm-up iterations, sequence, from state_in, to state_out) per
-        used segment and v-head."""
-        Hv = segments.warmup.numel() if segments.splits else None
-        for first, begin, end, last, seq in segments.table.tolist():
-            if seq < 0:
-                continue
-            for hv in range(Hv if Hv is not None else 1):
-                n = int(segments.warmup[hv]) if segments.splits else 0
-                warm, lo, hi = False, 0, 0
-                if (end < last) if backward else (begin > first):
-                    lo, hi = (end, end + n) if backward else (begin - n, begin)
-                    if n > 0 and ((hi < last) if backward else (lo > first)):
-                        warm = float(guard[lo:hi, hv].sum()) <= segments.log_eps
-                self.warm_windows += warm
-                if backward:
-                    stop = hi if warm else last
-                    yield hv, list(reversed(range(begin, stop))), stop - end, seq, not warm, begin == first
-                else:
-                    start = lo if warm else first
-                    yield hv, list(range(start, end)), begin - start, seq, not warm, end == last
-
-    def chain_states(self, w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None):
+    def chain_states(self, w, kd, u, decay, chunk_offsets, h0=None, values=True, out=None):
         self.calls.append("states")
-        states, news, final = self._outputs(w, u, segments)
-        for hv, chunks, skip, seq, from_state, to_state in self._walks(segments, window_log_decay, False):
-            heads = hv if segments.splits else slice(None)
-            S = torch.zeros(states[0, heads].shape) if h0 is None or not from_state else h0[seq, heads].clone()
-            for i, c in enumerate(chunks):
-                new = u[c, heads] - w[c, heads].float() @ S
-                if i >= skip:
-                    states[c, heads], news[c, heads] = S, new
-                dc = decay[c, heads][..., None, None] if not segments.splits else decay[c, heads]
-                S = dc * S + kd[c, heads].float().transpose(-1, -2) @ new
-            if to_state:
-                final[seq, heads] = S
+        states, news, final, ranges = self._outputs(w, u, chunk_offsets)
+        for s, (a, b) in enumerate(ranges):
+            S = torch.zeros(states.shape[1:]) if h0 is None else h0[s].clone()
+            for c in range(a, b):
+                states[c] = S
+                news[c] = u[c] - w[c].float() @ S
+                S = decay[c][:, None, None] * S + kd[c].float().transpose(-1, -2) @ news[c]
+            final[s] = S
         return states, news, final
 
-    def chain_gradients(self, w, kd, qd, dout, ptdo, decay, segments, dht=None, values=True, out=None,
-                        window_log_decay=None):
+    def chain_gradients(self, w, kd, qd, dout, ptdo, decay, chunk_offsets, dht=None, values=True, out=None):
         self.calls.append("gradients")
-        grads, dnews, dh0 = self._outputs(w, ptdo, segments)
-        for hv, chunks, skip, seq, from_state, to_state in self._walks(segments, window_log_decay, True):
-            heads = hv if segments.splits else slice(None)
-            dS = torch.zeros(grads[0, heads].shape) if dht is None or not from_state else dht[seq, heads].clone()
-            for i, c in enumerate(chunks):
-                dnew = ptdo[c, heads] + kd[c, heads].float() @ dS
-                if i >= skip:
-                    grads[c, heads], dnews[c, heads] = dS, dnew
-                dc = decay[c, heads][..., None, None] if not segments.splits else decay[c, heads]
-                dS = (dc * dS + qd[c, heads].float().transpose(-1, -2) @ dout[c, heads].float()
-                      - w[c, heads].float().transpose(-1, -2) @ dnew)
-            if to_state:
-                dh0[seq, heads] = dS
+        grads, dnews, dh0, ranges = self._outputs(w, ptdo, chunk_offsets)
+        for s, (a, b) in enumerate(ranges):
+            dS = torch.zeros(grads.shape[1:]) if dht is None else dht[s].clone()
+            for c in reversed(range(a, b)):
+                grads[c] = dS
+                dnews[c] = ptdo[c] + kd[c].float() @ dS
+                dS = (decay[c][:, None, None] * dS + qd[c].float().transpose(-1, -2) @ dout[c].float()
+                      - w[c].float().transpose(-1, -2) @ dnews[c])
+            dh0[s] = dS
         return grads, dnews, dh0
 
 
@@ -162,89 +128,3 @@ def test_the_sync_free_backward_gives_the_loops_gradients(name, chains_double, m
         assert torch.isfinite(a).all(), f"{name}: {n} took values from a chunk no sequence owns"
         # fp16 operands in the chains: about 2^-11 of rounding, nothing of the scale of do
         assert rel_l2(a.double(), b.double()) < 3e-3, (name, n, rel_l2(a.double(), b.double()))
-
-
-# ---------------------------------------------------------------- context parallelism in the chains
-
-def _bucket_table(split_from: int, length: int) -> torch.Tensor:
-    """A segment table: sequences of at most 2^(split_from - 1) chunks whole, longer ones cut every
-    `length` chunks."""
-    return torch.tensor([0] * split_from + [length] * (32 - split_from), dtype=torch.int32)
-
-
-def test_split_sequences_cut_every_sequence_into_its_own_segments():
-    counts = [0, 1, 5, 40, 130, 16, 17]
-    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
-    warmup = torch.tensor([8, -1], dtype=torch.int32)
-    table = chain_segments.split_sequences(offsets, _bucket_table(4, 16), 30, warmup, -11.5)
-    rows = table.table.tolist()
-    assert table.num_seqs == len(counts) and table.num_segments == 30 and table.splits
-    used = [r for r in rows if r[4] >= 0]
-    assert all(r[4] == -1 for r in rows[len(used):])                 # unused slots come last
-    # 0, 1 and 5 chunks stay whole (at most 8 chunks); 16 is no longer than its length
-    assert [sum(r[4] == s for r in used) for s in range(len(counts))] == [1, 1, 1, 3, 9, 1, 2]
-    for s, n in enumerate(counts):
-        mine = [r for r in used if r[4] == s]
-        first, last = int(offsets[s]), int(offsets[s + 1])
-        assert all(r[0] == first and r[3] == last for r in mine)
-        assert [c for r in mine for c in range(r[1], r[2])] == list(range(first, last))  # each chunk once, in order
-        assert all(r[2] - r[1] <= 16 for r in mine)
-    assert torch.equal(chain_segments.whole_sequences(offsets).table[:, 1], offsets[:-1])
-
-
-def test_split_sequences_refuse_what_the_kernels_cannot_take():
-    offsets, warmup = torch.tensor([0, 40, 50]), torch.tensor([8], dtype=torch.int32)
-    with pytest.raises(ValueError, match="max_segments=1 is fewer than the 2 sequences"):
-        chain_segments.split_sequences(offsets, _bucket_table(4, 16), 1, warmup, -11.5)
-    with pytest.raises(ValueError, match="log_eps=0.0 must be negative"):
-        chain_segments.split_sequences(offsets, _bucket_table(4, 16), 8, warmup, 0.0)
-    with pytest.raises(ValueError, match="segment_chunks has 3 entries"):
-        chain_segments.split_sequences(offsets, torch.tensor([0, 1, 2]), 8, warmup, -11.5)
-
-
-def test_the_guard_refuses_a_window_with_a_token_outside_the_bound():
-    gamma_last = torch.tensor([[-3.0, -3.0], [-3.0, float("nan")]])
-    beta = torch.full((2, 2, 64), 0.5)
-    norms = torch.ones(2, 2, 64)
-    norms[1, 0, 7] = 4.5                      # b |k|^2 = 2.25 > 2
-    got = chain_segments.window_log_decay(gamma_last, beta, norms)
-    assert got[0].tolist() == [-3.0, -3.0] and got[1, 0] == float("inf") and got[1, 1].isnan()
-    beta[0, 1, 3] = -0.1                      # a negative beta
-    assert chain_segments.window_log_decay(gamma_last, beta, norms)[0, 1] == float("inf")
-
-
-@dataclass(frozen=True)
-class ForwardTablesDouble:
-    """Test double of warmup_tables.WarmupTables with what the backward reads: every sequence of more
-    than 4 chunks cut every 3 chunks, `window` chunks of warm-up per v-head."""
-    warmup: torch.Tensor
-    segment_chunks: torch.Tensor = _bucket_table(3, 3)
-    log_eps: float = -11.5
-    splits: bool = True
-
-    @staticmethod
-    def bound(total_tokens: int, num_seqs: int) -> int:
-        return num_seqs + total_tokens // (3 * 64) + 1
-
-
-@pytest.mark.parametrize("gate", ["strong", "zero"])
-def test_a_split_backward_gives_the_loops_gradients_and_the_guard_chains_exactly(gate, chains_double, monkeypatch):
-    """The backward with the forward's tables splits its chains (through the kernels' double): with gates
-    that decay, windows are taken and the gradients stay the loops' within the chains' rounding; with
-    gates that do not, the guard refuses every window and the result is bitwise the unsplit one."""
-    inputs, do, dht = draw(11, seqlens=[700, 64, 390, 3], hqk=1, hv=2, K=128, V=128, gate=gate)
-    cp = ForwardTablesDouble(torch.tensor([2, 4], dtype=torch.int32))
-    args = dict(**inputs, do=do, dht=dht)
-    split = chunk_gated_delta_rule_bwd_torch(**args, cp=cp)
-    windows = chains_double.warm_windows
-    whole = chunk_gated_delta_rule_bwd_torch(**args)
-    monkeypatch.undo()
-    want = chunk_gated_delta_rule_bwd_torch(**args, sequential="torch")
-    for n in NAMES:
-        a, b = getattr(split, n), getattr(want, n)
-        assert torch.isfinite(a).all(), f"{gate}: {n} has values from a chunk no segment stored"
-        assert rel_l2(a.double(), b.double()) < 3e-3, (gate, n, rel_l2(a.double(), b.double()))
-    if gate == "zero":
-        assert windows == 0 and all(torch.equal(getattr(split, n), getattr(whole, n)) for n in NAMES)
-    else:
-        assert windows > 0

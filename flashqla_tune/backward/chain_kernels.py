@@ -34,13 +34,10 @@ from pathlib import Path
 
 import torch
 
-from .chain_segments import FIELDS as SEGMENT_FIELDS
-from .chain_segments import ChainSegments
-
 logger = logging.getLogger("flashqla_tune")
 CHUNK = 64
 TEMPLATE_NAME = "gdn_bwd_chain.cu.j2"
-ABI_VERSION = 2      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
+ABI_VERSION = 1      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
 STATES, GRADIENTS = 0, 1
 _ELEMENT_TYPES = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -145,11 +142,9 @@ class ChainArgs(ctypes.Structure):
     """ctypes mirror of FqtBwdChainArgs (csrc/gdn_bwd_chain_host.cuh); the library reports its size."""
     _fields_ = [
         ("direction", ctypes.c_int32), ("num_heads", ctypes.c_int32),
-        ("num_chunks", ctypes.c_int64), ("num_seqs", ctypes.c_int64), ("num_segments", ctypes.c_int64),
-        ("log_eps", ctypes.c_float), ("reserved", ctypes.c_int32),
+        ("num_chunks", ctypes.c_int64), ("num_seqs", ctypes.c_int64),
         ("w", ctypes.c_void_p), ("kd", ctypes.c_void_p), ("qd", ctypes.c_void_p), ("dout", ctypes.c_void_p),
-        ("add", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("segments", ctypes.c_void_p),
-        ("warmup", ctypes.c_void_p), ("window_log_decay", ctypes.c_void_p),
+        ("add", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("chunk_offsets", ctypes.c_void_p),
         ("state_in", ctypes.c_void_p), ("state_out", ctypes.c_void_p),
         ("chunk_states", ctypes.c_void_p), ("chunk_values", ctypes.c_void_p),
     ]
@@ -281,13 +276,10 @@ def _check(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device=
                          f"(contiguous={t.is_contiguous()}, device={t.device})")
 
 
-def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state_in, values, qd=None, dout=None,
-         out=None):
+def _run(direction: int, *, w, kd, add, decay, chunk_offsets, state_in, values, qd=None, dout=None, out=None):
     NC, Hv, C, K = w.shape
     V = add.shape[-1]
-    if not isinstance(segments, ChainSegments):
-        raise TypeError(f"segments must be chain_segments.ChainSegments, got {type(segments).__name__}")
-    N, S = segments.num_seqs, segments.num_segments
+    N = chunk_offsets.shape[0] - 1
     spec = spec_for(K, V)
     op = spec.torch_dtype
     if C != CHUNK:
@@ -297,16 +289,7 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
     _check("kd", kd, (NC, Hv, C, K), op, dev)
     _check("add", add, (NC, Hv, C, V), torch.float32, dev)
     _check("decay", decay, (NC, Hv), torch.float32, dev)
-    _check("segments", segments.table, (S, SEGMENT_FIELDS), torch.int64, dev)
-    if S < N:
-        raise ValueError(f"{S} segments for {N} sequences: every sequence needs one")
-    if segments.splits:
-        _check("warmup", segments.warmup, (Hv,), torch.int32, dev)
-        if window_log_decay is None:
-            raise ValueError("a split (segments with warm-up windows) needs window_log_decay, the guard's input")
-        _check("window_log_decay", window_log_decay, (NC, Hv), torch.float32, dev)
-        if not segments.log_eps < 0.0:
-            raise ValueError(f"log_eps={segments.log_eps} must be negative (eps < 1)")
+    _check("chunk_offsets", chunk_offsets, (N + 1,), torch.int64, dev)
     if direction == GRADIENTS:
         _check("qd", qd, (NC, Hv, C, K), op, dev)
         _check("dout", dout, (NC, Hv, C, V), op, dev)
@@ -326,13 +309,9 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
         if chunk_values is not None:
             _check("out chunk_values", chunk_values, (NC, Hv, C, V), torch.float32, dev)
         _check("out state", state_out, (N, Hv, K, V), torch.float32, dev)
-    split = segments.splits
-    args = ChainArgs(direction=direction, num_heads=Hv, num_chunks=NC, num_seqs=N, num_segments=S,
-                     log_eps=segments.log_eps if split else 0.0, reserved=0, w=_ptr(w), kd=_ptr(kd),
-                     qd=_ptr(qd), dout=_ptr(dout), add=_ptr(tiles), decay=_ptr(decay), segments=_ptr(segments.table),
-                     warmup=_ptr(segments.warmup) if split else None,
-                     window_log_decay=_ptr(window_log_decay) if split else None,
-                     state_in=_ptr(state_in), state_out=_ptr(state_out),
+    args = ChainArgs(direction=direction, num_heads=Hv, num_chunks=NC, num_seqs=N, w=_ptr(w), kd=_ptr(kd),
+                     qd=_ptr(qd), dout=_ptr(dout), add=_ptr(tiles), decay=_ptr(decay),
+                     chunk_offsets=_ptr(chunk_offsets), state_in=_ptr(state_in), state_out=_ptr(state_out),
                      chunk_states=_ptr(chunk_states), chunk_values=_ptr(chunk_values))
     lib = library(spec)
     with torch.cuda.device(dev):  # the launch goes to the current device: make it the tensors'
@@ -340,28 +319,27 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
     return chunk_states, chunk_values, state_out
 
 
-def chain_states(w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None):
+def chain_states(w, kd, u, decay, chunk_offsets, h0=None, values=True, out=None):
     """The forward chain over every sequence's chunks, on the device's current stream.
 
     w, kd [chunks, Hv, 64, K] in the operand dtype; u [chunks, Hv, 64, V] fp32; decay (e^{gamma_C})
-    [chunks, Hv] fp32; segments (chain_segments.ChainSegments, on the device) what the CTAs walk:
-    whole_sequences(chunk_offsets), or split_sequences(...) with window_log_decay [chunks, Hv] fp32
-    (chain_segments.window_log_decay) for the guard; h0 fp32 [N, Hv, K, V] or None (zeros).
+    [chunks, Hv] fp32; chunk_offsets int64 [N + 1] on the device (sequence i owns chunks
+    offsets[i] .. offsets[i+1]); h0 fp32 [N, Hv, K, V] or None (zeros).
     Returns (S_c [chunks, Hv, K, V], Vn [chunks, Hv, 64, V] or None, final state [N, Hv, K, V]), fp32,
     written into `out` (those three buffers) when given."""
-    return _run(STATES, w=w, kd=kd, add=u, decay=decay, segments=segments, window_log_decay=window_log_decay,
-                state_in=h0, values=values, out=out)
+    return _run(STATES, w=w, kd=kd, add=u, decay=decay, chunk_offsets=chunk_offsets, state_in=h0, values=values,
+                out=out)
 
 
-def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=True, out=None, window_log_decay=None):
+def chain_gradients(w, kd, qd, dout, ptdo, decay, chunk_offsets, dht=None, values=True, out=None):
     """The reverse chain of the state gradient, on the device's current stream.
 
     w, kd, qd (D Q) [chunks, Hv, 64, K] and dout (scale dO) [chunks, Hv, 64, V] in the operand dtype;
-    ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32; decay, segments, window_log_decay as for chain_states; dht fp32
+    ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32; decay, chunk_offsets as for chain_states; dht fp32
     [N, Hv, K, V] or None (zeros). Returns (dS_{c+1} [chunks, Hv, K, V], dVn [chunks, Hv, 64, V] or
     None, dh0 [N, Hv, K, V]), fp32, written into `out` when given."""
-    return _run(GRADIENTS, w=w, kd=kd, add=ptdo, decay=decay, segments=segments, window_log_decay=window_log_decay,
-                state_in=dht, values=values, qd=qd, dout=dout, out=out)
+    return _run(GRADIENTS, w=w, kd=kd, add=ptdo, decay=decay, chunk_offsets=chunk_offsets, state_in=dht,
+                values=values, qd=qd, dout=dout, out=out)
 
 
 __all__ = ["ABI_VERSION", "ChainArgs", "ChainKernelError", "ChainLibrary", "ChainRenderer", "ChainSpec",

@@ -243,7 +243,7 @@ _CHAIN_FAILURES: dict = {}
 def chunk_gated_delta_rule_bwd_torch(
     q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, compute_dtype=torch.float32,
-    sequential="auto", cp=None,
+    sequential="auto",
 ) -> GDNGradients:
     """Gradients of <o, do> + <final_state, dht> for the op's forward (same arguments, the
     forward's o and final state never needed): q, k [B,T,Hqk,K], v and do [B,T,Hv,V], g and beta
@@ -251,10 +251,7 @@ def chunk_gated_delta_rule_bwd_torch(
     in compute_dtype (fp32; float64 makes it an exact check of the algorithm). sequential picks
     how steps 1 and 2 run (uses_chain_kernels): the chain kernels, whose chunk grid is built on the
     device (device_chunk_grid: no host sync), or the torch loops, which read cu_seqlens on the host
-    (one device sync without cu_seqlens_cpu). cp: the forward call's warm-up tables
-    (warmup_tables.WarmupTables) or None; with them the chain kernels split long sequences as the
-    forward's CP does (chain_segments), guarded, else every sequence is one chain (as the torch loops
-    always are)."""
+    (one device sync without cu_seqlens_cpu)."""
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
@@ -330,15 +327,14 @@ def chunk_gated_delta_rule_bwd_torch(
         op = chain_kernels.spec_for(K, V).torch_dtype
         w_op, Kd_op = w.to(op).contiguous(), Kd.to(op).contiguous()
         chunk_decay = gamma_last.exp().contiguous()
-        segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, kf, group)
         unit, unit_c = _chain_units(grid, u, h0)
-        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_c).contiguous(), chunk_decay, segments,
-                                              None if h0 is None else (h0 * unit).contiguous(), window_log_decay=guard)
+        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_c).contiguous(), chunk_decay,
+                                              grid.chunk_offsets, None if h0 is None else (h0 * unit).contiguous())
         h, Vn = h / unit_c, Vn / unit_c
         unit, unit_c = _chain_units(grid, dOs, dS_end)
         dh_out, dVn, dS = chain_kernels.chain_gradients(
             w_op, Kd_op, Qd.to(op).contiguous(), (dOs * unit_c).to(op).contiguous(), (PtdO * unit_c).contiguous(),
-            chunk_decay, segments, None if dS_end is None else (dS_end * unit).contiguous(), window_log_decay=guard)
+            chunk_decay, grid.chunk_offsets, None if dS_end is None else (dS_end * unit).contiguous())
         dh_out, dVn, dS = dh_out / unit_c, dVn / unit_c, dS / unit
     else:
         h, Vn, dh_out, dVn, dS = chains_torch(grid, u, w, Kd, decay, Qd, dOs, PtdO, h0, dS_end)
@@ -386,22 +382,6 @@ def chunk_gated_delta_rule_bwd_torch(
         dv=tokens(dvc).view(B, T, Hv, V).to(v.dtype),
         dg=tokens(dgc).view(B, T, Hv).to(torch.promote_types(dt, torch.float32)),
         dbeta=tokens(dbc).view(B, T, Hv).to(beta.dtype), dh0=dh0)
-
-
-def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, kf, group: int):
-    """What the chain kernels walk: each sequence whole, or, with the forward call's warm-up tables
-    (cp) where a sequence of this call can be long enough to split, the forward's segments with the
-    guard's per-chunk input (chain_segments.window_log_decay, from |k|^2 of the keys the kernels see).
-    Returns (ChainSegments, window_log_decay or None)."""
-    from . import chain_segments
-
-    if cp is not None and cp.splits:
-        most = cp.bound(total_rows, grid.num_seqs)
-        if most > grid.num_seqs:
-            key_norms = to_chunks((kf * kf).sum(-1), grid).repeat_interleave(group, dim=1)   # [NC, Hv, C]
-            return (chain_segments.split_sequences(grid.chunk_offsets, cp.segment_chunks, most, cp.warmup, cp.log_eps),
-                    chain_segments.window_log_decay(gamma_last, bc, key_norms))
-    return chain_segments.whole_sequences(grid.chunk_offsets), None
 
 
 def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None):
