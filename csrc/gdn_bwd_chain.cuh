@@ -26,9 +26,19 @@
 // Warp group 0 is the producer: one thread streams each chunk's tiles into a ring of stages
 // (MbarrierPipeline of gdn_pipeline.cuh, filled through TmaProducer of gdn_tma_producer.cuh: TMA
 // tiles for the 16-bit operands, one bulk copy for the fp32 tile); the consumers release a stage
-// once their last wgmma reading it is done. Sequences and chunks come from chunk_offsets
-// ([N + 1], the first chunk of every sequence in the chunk layout), clamped into
-// [0, num_chunks], so whatever the offsets hold, nothing is read or written out of bounds.
+// once their last wgmma reading it is done.
+//
+// Work comes as segments (ChainSegment): a CTA walks one segment of a sequence, the whole
+// sequence when it is not split. A segment after the sequence's first (states) or before its last
+// (gradients) starts from the state at its boundary, which the CTA either approximates by a
+// warm-up from zero over the `warmup[h]` chunks beyond the boundary, storing nothing for them, or
+// gets exactly by walking from the sequence's own start (end). The warm-up is taken only where the
+// window's summed log-decay is at most log(eps) and every token of it has 0 <= b |k|^2 <= 2 (the
+// host folds the latter into window_log_decay as +inf): then the dropped term is at most eps times
+// the true state at the window's far end (docs/backward.md, "The backward's warm-up bound"). A
+// window that would reach past the sequence's start (end) is no approximation: it is the exact walk.
+// Every chunk index is clamped into [0, num_chunks], so whatever the segments hold, nothing is
+// read or written out of bounds.
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <stdint.h>
@@ -52,7 +62,7 @@ enum class ChainDirection : int32_t { kStates = 0, kGradients = 1 };
 constexpr int kChainRows = 64;  // wgmma M: state rows (values) per consumer warp group
 
 template <class Cfg>
-struct ChainSharedStorage;
+struct BwdChainSharedStorage;
 
 // Elem: the 16-bit operand type of every wgmma (the state and the values are rounded to it as A
 // operands; accumulation and the chain itself stay fp32). BlockV: the V columns of one CTA, one
@@ -98,7 +108,7 @@ struct ChainConfig {
                                                                     GMMA::Major::MN, GMMA::Major::MN>()));
 
   using MainPipeline = MbarrierPipeline<Stages, /*Transactions=*/true>;
-  using SharedStorage = ChainSharedStorage<ChainConfig>;
+  using SharedStorage = BwdChainSharedStorage<ChainConfig>;
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t TileTKBytes = uint32_t(sizeof(Elem)) * cosize_v<LayoutTK>;
   static constexpr uint32_t TileVTBytes = uint32_t(sizeof(Elem)) * cosize_v<LayoutVT>;
@@ -136,27 +146,79 @@ struct ChainParams {
   // u (kStates) or scale P^T dO (kGradients), fp32 tiles [chunks, Hv, V / BlockV, 64, BlockV]
   const float* add;
   const float* decay;           // e^{gamma_C} [chunks, Hv]
-  const int64_t* chunk_offsets; // [num_seqs + 1] first chunk of each sequence
+  const int64_t* segments;      // [num_segments, kSegmentFields] (ChainSegment)
+  const int32_t* warmup;        // [Hv] warm-up window in chunks, <= 0 exact; null: every boundary exact
+  const float* window_log_decay;  // [chunks, Hv] gamma_C, +inf where a token breaks the bound
   const float* state_in;        // h0 or dht [num_seqs, Hv, K, V]; null: zeros
   float* state_out;             // the final state or dh0 [num_seqs, Hv, K, V]; may be null
   float* chunk_states;          // S_c or dS_{c+1} [chunks, Hv, K, V]
   float* chunk_values;          // Vn or dVn [chunks, Hv, 64, V]; may be null
   int64_t num_chunks;
+  int64_t num_seqs;
+  float log_eps;
   int32_t num_heads;
 };
 
-// A sequence's chunks [begin, begin + count) in the chunk layout, clamped into [0, num_chunks].
+// A segment as the host lays it out: its sequence's first chunk, the segment's chunks
+// [begin, end), the sequence's end chunk, and the sequence (state_in / state_out row; -1: an
+// unused slot, whose CTA does nothing).
+constexpr int kSegmentFields = 5;
+
+// The chunks [begin, begin + count) a CTA walks, the first `skip` iterations of them a warm-up
+// whose chunks it does not store; whether it starts from state_in (the walk starts where its
+// sequence does) and whether its end state is the sequence's (state_out).
 struct ChainRange {
   int64_t begin;
   int64_t count;
+  int64_t skip;
+  int64_t seq;
+  bool from_state;
+  bool to_state;
   // The chunk of iteration i: forward or backward over the range.
   template <bool Backward>
   __device__ __forceinline__ int64_t chunk(int i) const { return Backward ? begin + count - 1 - i : begin + i; }
 };
 
-__device__ __forceinline__ ChainRange chain_range(const int64_t* offsets, int64_t seq, int64_t num_chunks) {
-  const int64_t a = clamp_offset(offsets[seq], num_chunks), b = clamp_offset(offsets[seq + 1], num_chunks);
-  return ChainRange{a, b > a ? b - a : 0};
+// The walk of segment s for v-head hv (Backward: the reverse chain, whose boundary is the
+// segment's end). Idle (seq -1) for an unused slot or a sequence index out of range.
+template <bool Backward, class Params>
+__device__ __forceinline__ ChainRange chain_range(const Params& p, int64_t s, int hv) {
+  const int64_t* e = p.segments + s * kSegmentFields;
+  const int64_t first = clamp_offset(e[0], p.num_chunks);
+  const int64_t begin = max(first, clamp_offset(e[1], p.num_chunks));
+  const int64_t end = max(begin, clamp_offset(e[2], p.num_chunks));
+  const int64_t last = max(end, clamp_offset(e[3], p.num_chunks));
+  const int64_t seq = e[4] >= 0 && e[4] < p.num_seqs ? e[4] : -1;
+  const int n = p.warmup ? p.warmup[hv] : 0;
+  // The window beyond the boundary, if it stays inside the sequence and passes the guard.
+  bool warm = false;
+  int64_t lo = 0, hi = 0;
+  if (Backward ? end < last : begin > first) {
+    lo = Backward ? end : begin - n;
+    hi = Backward ? end + n : begin;
+    if (n > 0 && (Backward ? hi < last : lo > first)) {
+      float sum = 0.f;
+      for (int64_t c = lo; c < hi; ++c) sum += p.window_log_decay[c * p.num_heads + hv];
+      warm = sum <= p.log_eps;  // false for NaN: chained exactly
+    }
+  }
+  ChainRange r;
+  r.seq = seq;
+  if (Backward) {
+    const int64_t stop = warm ? hi : last;
+    r.begin = begin;
+    r.count = stop - begin;
+    r.skip = stop - end;
+    r.to_state = begin == first;
+  } else {
+    const int64_t start = warm ? lo : first;
+    r.begin = start;
+    r.count = end - start;
+    r.skip = begin - start;
+    r.to_state = end == last;
+  }
+  r.from_state = !warm;
+  return r;
 }
 
 // One stage: the 16-bit tiles on 1024 bytes (whole swizzle atoms), then the fp32 tile. The
@@ -176,7 +238,7 @@ struct ChainStageStorage {
 };
 
 template <class Cfg>
-struct alignas(1024) ChainSharedStorage {
+struct alignas(1024) BwdChainSharedStorage {
   ChainStageStorage<Cfg> tiles;
   typename Cfg::MainPipeline::Storage pipeline;
 };
@@ -240,8 +302,7 @@ __device__ __forceinline__ void chain_operand(Frag& frag, const Acc& acc, float 
 template <class Cfg>
 struct ChainConsumer {
   static __device__ __forceinline__ void run(const ChainParams<Cfg>& p, typename Cfg::SharedStorage& ss,
-                                             const ChainRange& range, int vt, int hv, int64_t seq, int consumer,
-                                             int ctid) {
+                                             const ChainRange& range, int vt, int hv, int consumer, int ctid) {
     using Elem = typename Cfg::Elem;
     using C64 = typename Cfg::C64;
     using CK = typename Cfg::CK;
@@ -265,7 +326,8 @@ struct ChainConsumer {
     const int v0 = vt * Cfg::BlockV + vrow;     // and within V
     const int64_t head_state = int64_t(K) * V;
     {
-      const float* in = p.state_in ? p.state_in + (seq * p.num_heads + hv) * head_state : nullptr;
+      const float* in = p.state_in && range.from_state ? p.state_in + (range.seq * p.num_heads + hv) * head_state
+                                                       : nullptr;
       CUTE_UNROLL
       for (int e = 0; e < size(accS); ++e)
         accS(e) = in ? in[int64_t(get<1>(crdS(e))) * V + v0 + get<0>(crdS(e))] : 0.f;
@@ -289,10 +351,14 @@ struct ChainConsumer {
       Tensor sKdt = make_tensor(make_smem_ptr(st.kd.data()), typename Cfg::LayoutKT{});
       const float* add = st.add.data() + vrow;  // (t, v) at add[t * BlockV + v]
 
-      // The state entering phase 1 (S_c, or dS_{c+1}) is this chunk's stored state.
-      float* out = p.chunk_states + tile * head_state;
-      CUTE_UNROLL
-      for (int e = 0; e < size(accS); ++e) out[int64_t(get<1>(crdS(e))) * V + v0 + get<0>(crdS(e))] = accS(e);
+      // The state entering phase 1 (S_c, or dS_{c+1}) is this chunk's stored state (a warm-up
+      // chunk belongs to the neighbouring segment, which stores it).
+      const bool store = i >= range.skip;
+      if (store) {
+        float* out = p.chunk_states + tile * head_state;
+        CUTE_UNROLL
+        for (int e = 0; e < size(accS); ++e) out[int64_t(get<1>(crdS(e))) * V + v0 + get<0>(crdS(e))] = accS(e);
+      }
       CUTE_UNROLL
       for (int e = 0; e < size(accS); ++e) accS(e) *= decay;  // no wgmma touches the state before phase 2
 
@@ -319,7 +385,7 @@ struct ChainConsumer {
 
       // The new values (or their gradient), (v, t) of this thread: the fp32 term plus or minus phase 1.
       constexpr float kSign = Cfg::Gradients ? 1.f : -1.f;
-      float* values = p.chunk_values ? p.chunk_values + tile * int64_t(kChunk) * V : nullptr;
+      float* values = p.chunk_values && store ? p.chunk_values + tile * int64_t(kChunk) * V : nullptr;
       CUTE_UNROLL
       for (int e = 0; e < size(accT); ++e) {
         const int vv = get<0>(crdT(e)), tt = get<1>(crdT(e));
@@ -339,23 +405,23 @@ struct ChainConsumer {
       chain_operand(fragS, accS);
     }
 
-    if (p.state_out) {
-      float* out = p.state_out + (seq * p.num_heads + hv) * head_state;
+    if (p.state_out && range.to_state) {
+      float* out = p.state_out + (range.seq * p.num_heads + hv) * head_state;
       CUTE_UNROLL
       for (int e = 0; e < size(accS); ++e) out[int64_t(get<1>(crdS(e))) * V + v0 + get<0>(crdS(e))] = accS(e);
     }
   }
 };
 
-// Grid: x = sequence * (V / BlockV) + V tile, y = v-head. Block: Cfg::Threads.
+// Grid: x = segment * (V / BlockV) + V tile, y = v-head. Block: Cfg::Threads.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_bwd_chain_kernel(CUTE_GRID_CONSTANT const ChainParams<Cfg> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
   constexpr int kVTiles = Cfg::HeadV / Cfg::BlockV;
   const int vt = int(blockIdx.x % kVTiles), hv = int(blockIdx.y);
-  const int64_t seq = int64_t(blockIdx.x / kVTiles);
-  const ChainRange range = chain_range(p.chunk_offsets, seq, p.num_chunks);
+  const ChainRange range = chain_range<Cfg::Gradients>(p, int64_t(blockIdx.x / kVTiles), hv);
+  if (range.seq < 0) return;  // an unused slot: the whole CTA leaves before any barrier
   const int warp_group = threadIdx.x / 128;
 
   if (threadIdx.x == 0) {
@@ -370,7 +436,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1) gdn_bwd_chain_kernel(CUTE_GRI
     return;
   }
   if constexpr (Cfg::Consumers > 1) cutlass::arch::warpgroup_reg_alloc<Cfg::ConsumerRegs>();
-  ChainConsumer<Cfg>::run(p, ss, range, vt, hv, seq, warp_group - 1, threadIdx.x % 128);
+  ChainConsumer<Cfg>::run(p, ss, range, vt, hv, warp_group - 1, threadIdx.x % 128);
 }
 
 }  // namespace fqt

@@ -3,14 +3,14 @@
 // Never synchronises; launches on the caller's stream.
 #pragma once
 #include "gdn_bwd_chain.cuh"
+#include "gdn_kernel_setup.cuh"
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <mutex>
 
 // Bumped whenever FqtBwdChainArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHAIN_ABI_VERSION 1
+#define FQT_BWD_CHAIN_ABI_VERSION 2
 
 extern "C" {
 // Every tensor is contiguous, on the device, in the chunk layout of the batched backward
@@ -20,13 +20,19 @@ typedef struct FqtBwdChainArgs {
   int32_t num_heads;            // Hv
   int64_t num_chunks;
   int64_t num_seqs;
+  int64_t num_segments;
+  float log_eps;                // the warm-up guard's bound, log(eps)
+  int32_t reserved;             // zero
   const void* w;                // 16-bit [chunks, Hv, 64, K]
   const void* kd;               // 16-bit [chunks, Hv, 64, K]
   const void* qd;               // 16-bit [chunks, Hv, 64, K] (gradients)
   const void* dout;             // 16-bit [chunks, Hv, 64, V], the scale folded in (gradients)
   const float* add;             // fp32 [chunks, Hv, V / block_v, 64, block_v]: u, or scale P^T dO
   const float* decay;           // fp32 [chunks, Hv]: e^{gamma_C}
-  const int64_t* chunk_offsets; // int64 [num_seqs + 1]: each sequence's first chunk, then the total
+  const int64_t* segments;      // int64 [num_segments, 5]: the sequence's first chunk, the segment's first
+                                // and end chunks, the sequence's end chunk, the sequence (-1: unused)
+  const int32_t* warmup;        // int32 [Hv]: warm-up window per v-head in chunks (<= 0 exact); null: exact
+  const float* window_log_decay;  // fp32 [chunks, Hv]: gamma_C, +inf where a token has b |k|^2 outside [0, 2]
   const float* state_in;        // fp32 [num_seqs, Hv, K, V] h0 or dht; null: zeros
   float* state_out;             // fp32 [num_seqs, Hv, K, V] final state or dh0; null: not written
   float* chunk_states;          // fp32 [chunks, Hv, K, V]: S_c or dS_{c+1}
@@ -39,22 +45,8 @@ namespace fqt {
 template <class Cfg>
 cudaError_t chain_launch(const FqtBwdChainArgs& a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
-  constexpr int kMaxDevices = 64;
-  struct Setup {
-    std::once_flag once;
-    cudaError_t error = cudaSuccess;
-  };
-  static Setup setups[kMaxDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  Setup& setup = setups[device];
-  std::call_once(setup.once, [&] {
-    setup.error = cudaFuncSetAttribute(gdn_bwd_chain_kernel<Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       Cfg::SmemBytes);
-  });
-  if (setup.error != cudaSuccess) return setup.error;
+  const cudaError_t setup = allow_dynamic_smem_once<gdn_bwd_chain_kernel<Cfg>>(Cfg::SmemBytes);
+  if (setup != cudaSuccess) return setup;
 
   const int64_t rows = a.num_chunks * a.num_heads * kChunk;
   ChainParams<Cfg> p{
@@ -64,15 +56,19 @@ cudaError_t chain_launch(const FqtBwdChainArgs& a, cudaStream_t stream) {
       Cfg::tma_vt(static_cast<const Elem*>(Cfg::Gradients ? a.dout : a.w), Cfg::Gradients ? rows : 64),
       a.add,
       a.decay,
-      a.chunk_offsets,
+      a.segments,
+      a.warmup,
+      a.window_log_decay,
       a.state_in,
       a.state_out,
       a.chunk_states,
       a.chunk_values,
       a.num_chunks,
+      a.num_seqs,
+      a.log_eps,
       a.num_heads,
   };
-  const dim3 grid(unsigned(a.num_seqs * (Cfg::HeadV / Cfg::BlockV)), unsigned(a.num_heads));
+  const dim3 grid(unsigned(a.num_segments * (Cfg::HeadV / Cfg::BlockV)), unsigned(a.num_heads));
   gdn_bwd_chain_kernel<Cfg><<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
@@ -83,15 +79,19 @@ cudaError_t chain_dispatch(const FqtBwdChainArgs* a, cudaStream_t stream) {
   if (a == nullptr) return cudaErrorInvalidValue;
   const bool gradients = a->direction == int32_t(ChainDirection::kGradients);
   if (!gradients && a->direction != int32_t(ChainDirection::kStates)) return cudaErrorInvalidValue;
-  if (a->num_heads <= 0 || a->num_chunks < 0 || a->num_seqs < 0) return cudaErrorInvalidValue;
+  if (a->num_heads <= 0 || a->num_chunks < 0 || a->num_seqs < 0 || a->num_segments < a->num_seqs || a->reserved != 0)
+    return cudaErrorInvalidValue;
   // TMA coordinates are int32 (chunk rows of all heads), and so is the grid's x; its y (the
   // v-heads) has 16 bits.
   if (a->num_chunks * a->num_heads * kChunk >= (int64_t(1) << 31) || a->num_heads >= (1 << 16) ||
-      a->num_seqs * (States::HeadV / States::BlockV) >= (int64_t(1) << 31))
+      a->num_segments * (States::HeadV / States::BlockV) >= (int64_t(1) << 31))
     return cudaErrorInvalidValue;
   if (a->num_seqs == 0) return cudaSuccess;
-  if (a->chunk_offsets == nullptr || (a->num_chunks > 0 && (a->w == nullptr || a->kd == nullptr || a->add == nullptr ||
-                                                            a->decay == nullptr || a->chunk_states == nullptr)))
+  // A warm-up needs its guard's inputs; a log(eps) of 0 or more would let any window pass.
+  if ((a->warmup == nullptr) != (a->window_log_decay == nullptr) || (a->warmup != nullptr && !(a->log_eps < 0.f)))
+    return cudaErrorInvalidValue;
+  if (a->segments == nullptr || (a->num_chunks > 0 && (a->w == nullptr || a->kd == nullptr || a->add == nullptr ||
+                                                       a->decay == nullptr || a->chunk_states == nullptr)))
     return cudaErrorInvalidValue;
   if (gradients && a->num_chunks > 0 && (a->qd == nullptr || a->dout == nullptr)) return cudaErrorInvalidValue;
   if (a->num_chunks == 0) {

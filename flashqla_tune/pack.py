@@ -2,7 +2,7 @@
 
     PACK/manifest.json       what is inside and what it was built for (read first, written last)
     PACK/calibration.json    the calibration artifact (and its report beside it)
-    PACK/binaries/<plan>.so  one library per plan
+    PACK/binaries/<plan>.so  one library per plan, and the backward's kernel libraries
     PACK/host/<module>.so    the eager op's C++ host path, prebuilt for one torch and Python ABI
 
 A pack is tuned for one GPU (name and arch recorded) or untuned ("untuned sm_90a": default
@@ -13,7 +13,9 @@ Every manifest field is checked against the schema when read, and the error name
 the field. A manifest of schema version 1 (before the host architecture was recorded) still reads,
 with the architecture unknown: it is not checked against this machine, and `build` rebuilds such a
 pack. A pack built on another architecture (platform.machine(), e.g. x86_64 against aarch64) is
-refused before anything in it is opened.
+refused before anything in it is opened. The backward's kernel libraries are listed under
+"backward_libraries", one record per kind (BACKWARD_KINDS); a manifest that has the single "backward"
+record instead (the chain library alone) reads as one record of kind "chain".
 
 Publishing is crash-safe: where the kernel offers an atomic exchange of two paths
 (renameat2 RENAME_EXCHANGE on Linux) the finished staging folder and the old pack swap in one
@@ -52,6 +54,7 @@ BINARIES = "binaries"
 HOST = "host"
 UNTUNED_TARGET = "untuned sm_90a"
 NATIVE, QK_REPEATED = "native", "qk_repeated"   # a plan's head form: the model's, or q/k repeated to Hv
+BACKWARD_KINDS = ("chain", "prep", "chunk")   # backward.libraries.MODULE_NAMES: a backward library's kind
 
 
 class PackError(RuntimeError):
@@ -153,23 +156,52 @@ class HostExtension:
 
 @dataclass(frozen=True)
 class BackwardLibrary:
-    """The backward's chain kernels (backward.chain_kernels) prebuilt for the pack's head dims, so a
-    pack's op trains without compiling anything; used only where its spec and ABI are the ones
-    this flashqla_tune's backward asks for."""
+    """One of the backward's kernel libraries (flashqla_tune.backward.libraries: kind "chain", "prep"
+    or "chunk") prebuilt for the pack's head dims, so a pack's op trains without compiling anything;
+    used only where its spec and ABI are the ones this flashqla_tune's backward asks for."""
+    kind: str                   # one of BACKWARD_KINDS
     so: str                     # path relative to the pack
     sha256: str
-    spec: dict                  # chain_kernels.ChainSpec.to_dict()
-    abi_version: int            # chain_kernels.ABI_VERSION it was built with
+    spec: dict                  # the kind's spec (e.g. chain_kernels.ChainSpec).to_dict()
+    abi_version: int            # the kind's module's ABI_VERSION it was built with
 
     def to_dict(self) -> dict:
-        return {"so": self.so, "sha256": self.sha256, "spec": dict(self.spec), "abi_version": self.abi_version}
+        return {"kind": self.kind, "so": self.so, "sha256": self.sha256, "spec": dict(self.spec),
+                "abi_version": self.abi_version}
 
     @classmethod
-    def from_dict(cls, d: dict, where: str = "backward entry") -> "BackwardLibrary":
+    def from_dict(cls, d: dict, where: str = "backward entry", kind: str | None = None) -> "BackwardLibrary":
+        """A record as the manifest lists it; `kind` given: a record that does not name its kind
+        (the single "backward" entry, which is the chain library's)."""
         if not isinstance(d, dict) or not isinstance(d.get("spec"), dict):
-            raise PackError(f"{where} is {d!r}, expected an object with so, sha256, spec and abi_version")
-        return cls(_inside_pack(d["so"], where), _text(d["sha256"], f"{where}: sha256"), dict(d["spec"]),
+            raise PackError(f"{where} is {d!r}, expected an object with "
+                            f"{'' if kind is not None else 'kind, '}so, sha256, spec and abi_version")
+        if kind is None:
+            kind = d.get("kind")
+            if kind not in BACKWARD_KINDS:
+                raise PackError(f"{where}: kind is {kind!r}, expected one of {', '.join(BACKWARD_KINDS)}")
+        return cls(kind, _inside_pack(d["so"], where), _text(d["sha256"], f"{where}: sha256"), dict(d["spec"]),
                    _count(d["abi_version"], f"{where}: abi_version"))
+
+
+def _backward_libraries(data: dict, source: str) -> tuple[BackwardLibrary, ...]:
+    """The manifest's backward libraries: its "backward_libraries" list (one record per kind), or its
+    single "backward" record read as the chain library's, or none."""
+    listed, single = data.get("backward_libraries"), data.get("backward")
+    if listed is not None and single is not None:
+        raise PackError(f"{source} has both backward_libraries and a single backward entry; expected one of them")
+    if listed is None:
+        return () if single is None else (BackwardLibrary.from_dict(single, f"{source}: backward", kind="chain"),)
+    if not isinstance(listed, list):
+        raise PackError(f"{source}: backward_libraries is {type(listed).__name__}, expected a list")
+    records, seen = [], set()
+    for i, d in enumerate(listed):
+        record = BackwardLibrary.from_dict(d, f"{source}: backward_libraries[{i}]")
+        if record.kind in seen:
+            raise PackError(f"{source}: backward_libraries[{i}]: kind {record.kind!r} is listed twice")
+        seen.add(record.kind)
+        records.append(record)
+    return tuple(records)
 
 
 @dataclass(frozen=True)
@@ -185,7 +217,7 @@ class Manifest:
     plans: tuple[PackPlan, ...]
     build: dict = field(default_factory=dict)   # the options that made it (calibration corpus, sizes)
     host_extension: HostExtension | None = None  # None: built where the extension could not be compiled
-    backward: BackwardLibrary | None = None      # None: head dims the chain kernels lack, or an older pack
+    backward: tuple[BackwardLibrary, ...] = ()   # at most one per kind; empty: the pack carries none
     tool_version: str = __version__
     created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     schema_version: int = SCHEMA_VERSION
@@ -199,6 +231,10 @@ class Manifest:
     def target(self) -> str:
         return f"{self.gpu['name']} ({self.gpu['arch']})" if self.tuned else UNTUNED_TARGET
 
+    def backward_library(self, kind: str) -> BackwardLibrary | None:
+        """The pack's backward library of `kind` (one of BACKWARD_KINDS), or None when it carries none."""
+        return next((b for b in self.backward if b.kind == kind), None)
+
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, "schema_version": self.schema_version, "tool_version": self.tool_version,
                 "created": self.created, "spec": self.spec.to_dict(),
@@ -208,7 +244,7 @@ class Manifest:
                 "tp_sizes": list(self.tp_sizes), "tuned": self.tuned, "gpu": self.gpu,
                 "toolchain": self.toolchain, "build": self.build, "plans": [p.to_dict() for p in self.plans],
                 "host_extension": None if self.host_extension is None else self.host_extension.to_dict(),
-                "backward": None if self.backward is None else self.backward.to_dict(),
+                "backward_libraries": [b.to_dict() for b in self.backward],
                 "host": {"machine": self.machine}}
 
     @classmethod
@@ -254,8 +290,7 @@ class Manifest:
                        host_extension=(None if data.get("host_extension") is None
                                        else HostExtension.from_dict(data["host_extension"],
                                                                     f"{source}: host_extension")),
-                       backward=(None if data.get("backward") is None
-                                 else BackwardLibrary.from_dict(data["backward"], f"{source}: backward")),
+                       backward=_backward_libraries(data, source),
                        tool_version=data["tool_version"], created=data["created"],
                        schema_version=version, machine=machine)
         except PackError:
@@ -339,8 +374,7 @@ def check_binaries(pack: str | Path, manifest: Manifest, plans=None) -> None:
     listed = [(p.so, p.so_sha256, f"plan {p.plan.name}") for p in (plans if plans is not None else manifest.plans)]
     if manifest.host_extension is not None:
         listed.append((manifest.host_extension.so, manifest.host_extension.sha256, "the C++ host path"))
-    if manifest.backward is not None:
-        listed.append((manifest.backward.so, manifest.backward.sha256, "the backward's chain kernels"))
+    listed.extend((b.so, b.sha256, f"the backward's {b.kind} kernels") for b in manifest.backward)
     for so, sha, of in listed:
         path = Path(pack) / so
         if not path.is_file():

@@ -122,20 +122,23 @@ def _reuse_reason(out: Path, sha: str, tp_sizes, options: dict, want_tuned_on, s
 
 
 def _backward_stale_reason(manifest: Manifest) -> str | None:
-    """Why a pack's backward chain kernels are not the ones this flashqla_tune's backward uses (none
-    recorded, or another chain ABI or spec), or None (they are, or the head dims have none)."""
-    from .backward import chain_kernels
+    """Why a pack's backward kernel libraries are not the ones this flashqla_tune's backward uses (one
+    of a kind it uses for these head dims is not recorded, or is recorded for another ABI or spec),
+    or None (they are, or the head dims have none)."""
+    from .backward import libraries
 
-    try:
-        want = chain_kernels.spec_for(manifest.spec.head_k_dim, manifest.spec.head_v_dim)
-    except ValueError:
-        return None
-    record = manifest.backward
-    if record is None:
-        return "the pack carries no backward chain kernels"
-    if record.abi_version != chain_kernels.ABI_VERSION or record.spec != want.to_dict():
-        return (f"its backward chain kernels are stale (chain ABI {record.abi_version}, {record.spec}; this "
-                f"flashqla-tune uses ABI {chain_kernels.ABI_VERSION}, {want.to_dict()})")
+    K, V = manifest.spec.head_k_dim, manifest.spec.head_v_dim
+    for kind, module in libraries.modules().items():
+        try:
+            want = module.spec_for(K, V)
+        except ValueError:
+            continue
+        record = manifest.backward_library(kind)
+        if record is None:
+            return f"the pack carries no backward {kind} kernels"
+        if record.abi_version != module.ABI_VERSION or record.spec != want.to_dict():
+            return (f"its backward {kind} kernels are stale ({kind} ABI {record.abi_version}, {record.spec}; this "
+                    f"flashqla-tune uses ABI {module.ABI_VERSION}, {want.to_dict()})")
     return None
 
 
@@ -298,12 +301,12 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         cal = _calibration(given, calibration, ckpt, sha, staging, seconds, log, corpus=corpus,
                            settings=settings, seq_len=seq_len, max_sequences=max_sequences, batch_size=batch_size,
                            device=device, offload=offload, progress=progress, qkv_dtype=qkv_dtype)
-        # The kernels (nvcc), the backward's chain library (nvcc) and the C++ host path (the host
-        # compiler) need only the spec: side by side.
+        # The kernels (nvcc), the backward's kernel libraries (nvcc, one after another) and the C++
+        # host path (the host compiler) need only the spec: side by side.
         (staging / BINARIES).mkdir()
         with ThreadPoolExecutor(max_workers=2) as pool:
             host_future = pool.submit(_timed, _host_extension, staging, build_host, log)
-            backward_future = pool.submit(_backward_library, staging, spec, log)
+            backward_future = pool.submit(_backward_libraries, staging, spec, log)
             t = time.perf_counter()
             try:
                 compile_plans(list(plans.values()), jobs=jobs, progress=progress, log=log)
@@ -415,24 +418,29 @@ def compile_plans(plans, jobs: int | None = None, force: bool = False, progress:
     return [found[p] for p in plans]
 
 
-def _backward_library(staging: Path, spec: GDNSpec, log) -> BackwardLibrary | None:
-    """The backward's chain kernels for the model's head dims, built through the kernel cache and
-    copied into the pack's binaries (so a pack's op trains with nothing compiled where it runs);
-    None, said in the log, for head dims the chain kernels are not written for."""
-    from .backward import chain_kernels
+def _backward_libraries(staging: Path, spec: GDNSpec, log) -> tuple[BackwardLibrary, ...]:
+    """The backward's kernel libraries (chain, prep and chunk: backward.libraries) for the model's head
+    dims, each built through the kernel cache and copied into the pack's binaries (so a pack's op
+    trains with nothing compiled where it runs). A kind with no library for these head dims is left
+    out, said in the log: the backward runs that part in torch."""
+    from .backward import libraries
 
     K, V = spec.head_k_dim, spec.head_v_dim
-    try:
-        chain_spec = chain_kernels.spec_for(K, V)
-    except ValueError as exc:
-        log(f"build: no backward chain kernels for K={K}, V={V} ({exc}); the pack's backward runs its "
-            f"two chains as torch loops")
-        return None
-    entry, = cache.get_kernels([chain_spec], chain_kernels.ChainRenderer(), jobs=1)
-    log(f"build: the backward's chain kernels {chain_spec.name} ({'built' if entry.built else 'cached'})")
-    rel = f"{BINARIES}/{chain_spec.name}.so"
-    shutil.copyfile(entry.so_path, staging / rel)
-    return BackwardLibrary(rel, sha256_file(staging / rel), chain_spec.to_dict(), chain_kernels.ABI_VERSION)
+    records = []
+    for kind, module in libraries.modules().items():
+        try:
+            lib_spec = module.spec_for(K, V)
+        except ValueError as exc:
+            log(f"build: no backward {kind} kernels for K={K}, V={V} ({exc}); the pack's backward runs that "
+                f"part in torch")
+            continue
+        entry, = cache.get_kernels([lib_spec], module.LIBRARIES.renderer, jobs=1)
+        log(f"build: the backward's {kind} kernels {lib_spec.name} ({'built' if entry.built else 'cached'})")
+        rel = f"{BINARIES}/{lib_spec.name}.so"
+        shutil.copyfile(entry.so_path, staging / rel)
+        records.append(BackwardLibrary(kind, rel, sha256_file(staging / rel), lib_spec.to_dict(),
+                                       module.ABI_VERSION))
+    return tuple(records)
 
 
 def _host_extension(staging: Path, build_host, log) -> HostExtension | None:

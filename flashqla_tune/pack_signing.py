@@ -148,12 +148,11 @@ def public_key_id(public_key) -> str:
 
 def signed_files(manifest: Manifest) -> list[str]:
     """The files a signature covers, as paths relative to the pack, sorted: the manifest, every
-    kernel binary it lists (the backward's too), its host extension and the calibration."""
+    kernel binary it lists (the backward's libraries too), its host extension and the calibration."""
     names = {MANIFEST, CALIBRATION, *(p.so for p in manifest.plans)}
     if manifest.host_extension is not None:
         names.add(manifest.host_extension.so)
-    if manifest.backward is not None:
-        names.add(manifest.backward.so)
+    names.update(b.so for b in manifest.backward)
     return sorted(names)
 
 

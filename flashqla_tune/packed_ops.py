@@ -231,24 +231,30 @@ def load(pack, tp_rank: int = 0, tp_size: int = 1, *, gpu=_AUTO, open_library=lo
 
 
 def _offer_backward(pack: Path, manifest: Manifest) -> None:
-    """The pack's prebuilt backward chain kernels become the ones this process's backward uses
-    (opened on the first backward); a library built for another chain ABI or spec than this
-    flashqla_tune asks for is passed over with one warning, and the backward builds its own."""
-    if manifest.backward is None:
+    """Each of the pack's prebuilt backward kernel libraries (chain, prep, chunk) becomes the one this
+    process's backward uses for its kind (opened, its sha256 checked again, on first use). A library
+    built for another ABI or spec than this flashqla_tune asks for, or of a kind it uses none of for
+    these head dims, is passed over with one warning (the backward then builds its own of that kind,
+    or runs that part in torch)."""
+    if not manifest.backward:
         return
-    from .backward import chain_kernels
+    from .backward import libraries
 
-    record = manifest.backward
-    try:
-        want = chain_kernels.spec_for(manifest.spec.head_k_dim, manifest.spec.head_v_dim)
-    except ValueError:
-        want = None
-    if want is None or record.abi_version != chain_kernels.ABI_VERSION or record.spec != want.to_dict():
-        logger.warning("pack %s: its backward chain kernels (ABI %s, %s) are not the ones this flashqla_tune uses "
-                       "(ABI %s, %s); its backward builds them on first use", pack, record.abi_version, record.spec,
-                       chain_kernels.ABI_VERSION, None if want is None else want.to_dict())
-        return
-    chain_kernels.offer_library(want, pack / record.so, record.sha256)
+    K, V = manifest.spec.head_k_dim, manifest.spec.head_v_dim
+    for record in manifest.backward:
+        module = libraries.module(record.kind)
+        try:
+            want = module.spec_for(K, V)
+        except ValueError as exc:
+            logger.warning("pack %s: its backward %s kernels (%s) are not used: %s; its backward runs that part "
+                           "in torch", pack, record.kind, record.spec, exc)
+            continue
+        if record.abi_version != module.ABI_VERSION or record.spec != want.to_dict():
+            logger.warning("pack %s: its backward %s kernels (ABI %s, %s) are not the ones this flashqla_tune uses "
+                           "(ABI %s, %s); its backward builds them on first use", pack, record.kind,
+                           record.abi_version, record.spec, module.ABI_VERSION, want.to_dict())
+            continue
+        module.offer_library(want, pack / record.so, record.sha256)
 
 
 def _registered_name(p) -> str:

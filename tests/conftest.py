@@ -7,12 +7,16 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def _no_offered_chain_library(monkeypatch):
-    """A pack loaded by one test offers its backward chain library process-wide (FakeBinary bytes in
-    the pack doubles): every test starts with none offered."""
-    chain_kernels = sys.modules.get("flashqla_tune.backward.chain_kernels")
-    if chain_kernels is not None:
-        monkeypatch.setattr(chain_kernels, "_offered", {})
+def _no_offered_backward_libraries(monkeypatch):
+    """A pack loaded by one test offers its backward libraries process-wide (FakeBinary bytes in the
+    pack doubles), and a test may open or register one: every test starts with a fresh table of each
+    kind (chain, prep, chunk) already imported; nothing is imported here. The modules look LIBRARIES
+    up at call time."""
+    for name in ("chain_kernels", "prep_kernels", "chunk_kernels"):
+        module = sys.modules.get(f"flashqla_tune.backward.{name}")
+        if module is not None:
+            table = sys.modules["flashqla_tune.backward.kernel_library"].LibraryTable
+            monkeypatch.setattr(module, "LIBRARIES", table(module.KIND))
 
 
 @pytest.fixture(scope="session")

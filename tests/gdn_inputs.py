@@ -51,3 +51,16 @@ def gate_values(kind, shape, gen, dtype=torch.float64):
         g[..., ::4] = 0.0
         return g
     raise ValueError(kind)
+
+
+def float64_tokens(gen, T, hqk, hv, K, V, decay, device):
+    """Token-row float64 inputs of one varlen call, drawn from `gen` in this order: q and k
+    [T, hqk, K] unit rows, v [T, hv, V] standard normal, g [T, hv] of the `decay` kind (gate_values),
+    beta [T, hv] uniform in [0, 1)."""
+    f64 = torch.float64
+    q = F.normalize(torch.randn(T, hqk, K, generator=gen, device=device, dtype=f64), dim=-1)
+    k = F.normalize(torch.randn(T, hqk, K, generator=gen, device=device, dtype=f64), dim=-1)
+    v = torch.randn(T, hv, V, generator=gen, device=device, dtype=f64)
+    g = gate_values(decay, (T, hv), gen, f64)
+    beta = torch.rand(T, hv, generator=gen, device=device, dtype=f64)
+    return q, k, v, g, beta

@@ -55,23 +55,26 @@ def make_pack(folder: Path, tp_sizes=(1, 2), gpu: GPUInfo | None = None, spec: G
                                     calibration_sha256=sha256_file(folder / CALIBRATION),
                                     num_gdn_layers=len(cal.layers), tp_sizes=tuple(tp_sizes), gpu=record,
                                     toolchain={"nvcc": "13.0", "cutlass": "4.2.0", "torch": torch.__version__},
-                                    plans=tuple(plans), backward=_backward_double(folder, spec) if backward else None))
+                                    plans=tuple(plans), backward=backward_doubles(folder, spec) if backward else ()))
     return folder
 
 
-def _backward_double(folder: Path, spec: GDNSpec):
-    """The backward chain library record `flashqla-tune build` writes (FakeBinary bytes), for head dims
-    that have one."""
-    from flashqla_tune.backward import chain_kernels
+def backward_doubles(folder: Path, spec: GDNSpec) -> tuple:
+    """The backward library records `flashqla-tune build` writes, one per kind with a library for these
+    head dims (chain, prep, chunk), over FakeBinary files in folder/binaries."""
+    from flashqla_tune.backward import libraries
     from flashqla_tune.pack import BackwardLibrary
 
-    try:
-        chain = chain_kernels.spec_for(spec.head_k_dim, spec.head_v_dim)
-    except ValueError:
-        return None
-    rel = f"{BINARIES}/{chain.name}.so"
-    (folder / rel).write_bytes(b"FakeBinary backward chains")
-    return BackwardLibrary(rel, sha256_file(folder / rel), chain.to_dict(), chain_kernels.ABI_VERSION)
+    records = []
+    for kind, module in libraries.modules().items():
+        try:
+            lib_spec = module.spec_for(spec.head_k_dim, spec.head_v_dim)
+        except ValueError:
+            continue
+        rel = f"{BINARIES}/{lib_spec.name}.so"
+        (folder / rel).write_bytes(f"FakeBinary backward {kind}".encode())
+        records.append(BackwardLibrary(kind, rel, sha256_file(folder / rel), lib_spec.to_dict(), module.ABI_VERSION))
+    return tuple(records)
 
 
 def edit_manifest(folder: Path, change) -> None:

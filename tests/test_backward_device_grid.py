@@ -4,11 +4,14 @@ Where the chain kernels run, the backward builds its chunk grid from the device 
 device ops only, so nothing waits for the GPU and a training step can be captured in a CUDA graph.
 Here the grid is checked against the host grid it replaces, and the whole backward through it
 against the torch-loop path, with the chain kernels replaced by a named CPU test double that walks
-the same chunk layout and offsets (the kernels themselves are tests/test_gpu_backward_chain.py's):
+the same chunk layout and offsets, and the per-chunk gradient kernel by one that computes its results
+in torch (the kernels themselves: tests/test_gpu_backward_chain.py, tests/test_gpu_backward_chunk.py):
 varlen with tails, empty sequences, rows past the last offset, GVA, h0 and dht, both layouts, the
 in-kernel L2 norm, and output gradients far below fp16's normal range.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,8 +19,9 @@ import torch
 from gdn_inputs import rel_l2
 from test_backward_reference import draw
 
-from flashqla_tune.backward import chain_kernels, chunked_torch
+from flashqla_tune.backward import chain_kernels, chain_segments, chunk_kernels, chunked_torch
 from flashqla_tune.backward.chunked_torch import chunk_gated_delta_rule_bwd_torch
+from flashqla_tune.oracle.chunked import decay_mask
 
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
@@ -51,44 +55,89 @@ def test_the_device_grid_stays_in_bounds_whatever_the_offsets_hold():
 
 class ChainKernelsDouble:
     """Test double of chain_kernels.chain_states / chain_gradients: the same arguments (16-bit operands,
-    fp32 tiles, device offsets), the same recurrences walked per sequence on the CPU in fp32, and
-    NaN in every chunk no sequence owns, as the kernels leave those unwritten."""
+    fp32 tiles, device segments with the guard's input), the same recurrences walked per segment and
+    v-head on the CPU in fp32 with the kernels' warm-up rule (csrc/gdn_bwd_chain.cuh chain_range), and
+    NaN in every chunk no segment stores, as the kernels leave those unwritten."""
 
     def __init__(self):
         self.calls = []
+        self.warm_windows = 0     # windows taken (not refused by the guard), over both directions
 
     @staticmethod
-    def _outputs(w, add, offsets):
+    def _outputs(w, add, segments):
         NC, Hv, C, K = w.shape
-        V, N = add.shape[-1], offsets.numel() - 1
+        V, N = add.shape[-1], segments.num_seqs
         nan = float("nan")
-        return (torch.full((NC, Hv, K, V), nan), torch.full((NC, Hv, C, V), nan), torch.full((N, Hv, K, V), nan),
-                [(int(offsets[i]), int(offsets[i + 1])) for i in range(N)])
+        return (torch.full((NC, Hv, K, V), nan), torch.full((NC, Hv, C, V), nan), torch.full((N, Hv, K, V), nan))
 
-    def chain_states(self, w, kd, u, decay, chunk_offsets, h0=None, values=True, out=None):
+    def _walks(self, segments, guard, backward):
+        """(v-head, chunks in walk order, warm-up iterations, sequence, from state_in, to state_out) per
+        used segment and v-head."""
+        Hv = segments.warmup.numel() if segments.splits else None
+        for first, begin, end, last, seq in segments.table.tolist():
+            if seq < 0:
+                continue
+            for hv in range(Hv if Hv is not None else 1):
+                n = int(segments.warmup[hv]) if segments.splits else 0
+                warm, lo, hi = False, 0, 0
+                if (end < last) if backward else (begin > first):
+                    lo, hi = (end, end + n) if backward else (begin - n, begin)
+                    if n > 0 and ((hi < last) if backward else (lo > first)):
+                        warm = float(guard[lo:hi, hv].sum()) <= segments.log_eps
+                self.warm_windows += warm
+                if backward:
+                    stop = hi if warm else last
+                    yield hv, list(reversed(range(begin, stop))), stop - end, seq, not warm, begin == first
+                else:
+                    start = lo if warm else first
+                    yield hv, list(range(start, end)), begin - start, seq, not warm, end == last
+
+    def chain_states(self, w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None):
         self.calls.append("states")
-        states, news, final, ranges = self._outputs(w, u, chunk_offsets)
-        for s, (a, b) in enumerate(ranges):
-            S = torch.zeros(states.shape[1:]) if h0 is None else h0[s].clone()
-            for c in range(a, b):
-                states[c] = S
-                news[c] = u[c] - w[c].float() @ S
-                S = decay[c][:, None, None] * S + kd[c].float().transpose(-1, -2) @ news[c]
-            final[s] = S
+        states, news, final = self._outputs(w, u, segments)
+        for hv, chunks, skip, seq, from_state, to_state in self._walks(segments, window_log_decay, False):
+            heads = hv if segments.splits else slice(None)
+            S = torch.zeros(states[0, heads].shape) if h0 is None or not from_state else h0[seq, heads].clone()
+            for i, c in enumerate(chunks):
+                new = u[c, heads] - w[c, heads].float() @ S
+                if i >= skip:
+                    states[c, heads], news[c, heads] = S, new
+                dc = decay[c, heads][..., None, None] if not segments.splits else decay[c, heads]
+                S = dc * S + kd[c, heads].float().transpose(-1, -2) @ new
+            if to_state:
+                final[seq, heads] = S
         return states, news, final
 
-    def chain_gradients(self, w, kd, qd, dout, ptdo, decay, chunk_offsets, dht=None, values=True, out=None):
+    def chain_gradients(self, w, kd, qd, dout, ptdo, decay, segments, dht=None, values=True, out=None,
+                        window_log_decay=None):
         self.calls.append("gradients")
-        grads, dnews, dh0, ranges = self._outputs(w, ptdo, chunk_offsets)
-        for s, (a, b) in enumerate(ranges):
-            dS = torch.zeros(grads.shape[1:]) if dht is None else dht[s].clone()
-            for c in reversed(range(a, b)):
-                grads[c] = dS
-                dnews[c] = ptdo[c] + kd[c].float() @ dS
-                dS = (decay[c][:, None, None] * dS + qd[c].float().transpose(-1, -2) @ dout[c].float()
-                      - w[c].float().transpose(-1, -2) @ dnews[c])
-            dh0[s] = dS
+        grads, dnews, dh0 = self._outputs(w, ptdo, segments)
+        for hv, chunks, skip, seq, from_state, to_state in self._walks(segments, window_log_decay, True):
+            heads = hv if segments.splits else slice(None)
+            dS = torch.zeros(grads[0, heads].shape) if dht is None or not from_state else dht[seq, heads].clone()
+            for i, c in enumerate(chunks):
+                dnew = ptdo[c, heads] + kd[c, heads].float() @ dS
+                if i >= skip:
+                    grads[c, heads], dnews[c, heads] = dS, dnew
+                dc = decay[c, heads][..., None, None] if not segments.splits else decay[c, heads]
+                dS = (dc * dS + qd[c, heads].float().transpose(-1, -2) @ dout[c, heads].float()
+                      - w[c, heads].float().transpose(-1, -2) @ dnew)
+            if to_state:
+                dh0[seq, heads] = dS
         return grads, dnews, dh0
+
+    def chunk_gradients(self, q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d):
+        """The per-chunk gradient kernel's results in torch: step 3 on its inputs, q and k per q/k
+        head, the chains' results divided by their units."""
+        self.calls.append("chunk")
+        group = v.shape[1] // q.shape[1]
+        qc, kc = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        Gamma = decay_mask(gamma)
+        A = Gamma * a0
+        uu, ud = unit_u[..., None, None], unit_d[..., None, None]
+        return chunked_torch.per_chunk_gradients(qc, kc, v, beta, dout, gamma, Gamma, a0, A, A * beta[..., None, :],
+                                                 gamma.exp()[..., None] * kc, qc @ kc.transpose(-1, -2), state / uu,
+                                                 dstate / ud, vn / uu, dvn / ud)
 
 
 @pytest.fixture
@@ -98,6 +147,9 @@ def chains_double(monkeypatch):
     monkeypatch.setattr(chunked_torch, "_chain_library_or_none", lambda *a: "library double")
     monkeypatch.setattr(chain_kernels, "chain_states", double.chain_states)
     monkeypatch.setattr(chain_kernels, "chain_gradients", double.chain_gradients)
+    monkeypatch.setattr(chunked_torch, "_chunk_library_or_none", lambda *a: "library double")
+    monkeypatch.setattr(chunked_torch, "_prep_pieces", lambda *a: None)  # the torch pieces (the prep's own tests)
+    monkeypatch.setattr(chunk_kernels, "chunk_gradients", double.chunk_gradients)
     monkeypatch.setattr(chunked_torch, "chunk_grid", lambda *a: pytest.fail("the host grid was built"))
     return double
 
@@ -120,7 +172,7 @@ def test_the_sync_free_backward_gives_the_loops_gradients(name, chains_double, m
     cu = inputs.pop("cu_seqlens")
     args = dict(**inputs, do=do, dht=dht, use_qk_l2norm_in_kernel=l2norm, cu_seqlens=cu)
     got = chunk_gated_delta_rule_bwd_torch(**args)
-    assert chains_double.calls == ["states", "gradients"]
+    assert chains_double.calls == ["states", "gradients", "chunk"]
     monkeypatch.undo()  # the loops on the host grid
     want = chunk_gated_delta_rule_bwd_torch(**args, sequential="torch")
     for n in NAMES:
@@ -128,3 +180,89 @@ def test_the_sync_free_backward_gives_the_loops_gradients(name, chains_double, m
         assert torch.isfinite(a).all(), f"{name}: {n} took values from a chunk no sequence owns"
         # fp16 operands in the chains: about 2^-11 of rounding, nothing of the scale of do
         assert rel_l2(a.double(), b.double()) < 3e-3, (name, n, rel_l2(a.double(), b.double()))
+
+
+# ---------------------------------------------------------------- context parallelism in the chains
+
+def _bucket_table(split_from: int, length: int) -> torch.Tensor:
+    """A segment table: sequences of at most 2^(split_from - 1) chunks whole, longer ones cut every
+    `length` chunks."""
+    return torch.tensor([0] * split_from + [length] * (32 - split_from), dtype=torch.int32)
+
+
+def test_split_sequences_cut_every_sequence_into_its_own_segments():
+    counts = [0, 1, 5, 40, 130, 16, 17]
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    warmup = torch.tensor([8, -1], dtype=torch.int32)
+    table = chain_segments.split_sequences(offsets, _bucket_table(4, 16), 30, warmup, -11.5)
+    rows = table.table.tolist()
+    assert table.num_seqs == len(counts) and table.num_segments == 30 and table.splits
+    used = [r for r in rows if r[4] >= 0]
+    assert all(r[4] == -1 for r in rows[len(used):])                 # unused slots come last
+    # 0, 1 and 5 chunks stay whole (at most 8 chunks); 16 is no longer than its length
+    assert [sum(r[4] == s for r in used) for s in range(len(counts))] == [1, 1, 1, 3, 9, 1, 2]
+    for s, n in enumerate(counts):
+        mine = [r for r in used if r[4] == s]
+        first, last = int(offsets[s]), int(offsets[s + 1])
+        assert all(r[0] == first and r[3] == last for r in mine)
+        assert [c for r in mine for c in range(r[1], r[2])] == list(range(first, last))  # each chunk once, in order
+        assert all(r[2] - r[1] <= 16 for r in mine)
+    assert torch.equal(chain_segments.whole_sequences(offsets).table[:, 1], offsets[:-1])
+
+
+def test_split_sequences_refuse_what_the_kernels_cannot_take():
+    offsets, warmup = torch.tensor([0, 40, 50]), torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_segments=1 is fewer than the 2 sequences"):
+        chain_segments.split_sequences(offsets, _bucket_table(4, 16), 1, warmup, -11.5)
+    with pytest.raises(ValueError, match="log_eps=0.0 must be negative"):
+        chain_segments.split_sequences(offsets, _bucket_table(4, 16), 8, warmup, 0.0)
+    with pytest.raises(ValueError, match="segment_chunks has 3 entries"):
+        chain_segments.split_sequences(offsets, torch.tensor([0, 1, 2]), 8, warmup, -11.5)
+
+
+def test_the_guard_refuses_a_window_with_a_token_outside_the_bound():
+    gamma_last = torch.tensor([[-3.0, -3.0], [-3.0, float("nan")]])
+    beta = torch.full((2, 2, 64), 0.5)
+    norms = torch.ones(2, 2, 64)
+    norms[1, 0, 7] = 4.5                      # b |k|^2 = 2.25 > 2
+    got = chain_segments.window_log_decay(gamma_last, beta, norms)
+    assert got[0].tolist() == [-3.0, -3.0] and got[1, 0] == float("inf") and got[1, 1].isnan()
+    beta[0, 1, 3] = -0.1                      # a negative beta
+    assert chain_segments.window_log_decay(gamma_last, beta, norms)[0, 1] == float("inf")
+
+
+@dataclass(frozen=True)
+class ForwardTablesDouble:
+    """Test double of warmup_tables.WarmupTables with what the backward reads: every sequence of more
+    than 4 chunks cut every 3 chunks, `window` chunks of warm-up per v-head."""
+    warmup: torch.Tensor
+    segment_chunks: torch.Tensor = _bucket_table(3, 3)
+    log_eps: float = -11.5
+    splits: bool = True
+
+    @staticmethod
+    def bound(total_tokens: int, num_seqs: int) -> int:
+        return num_seqs + total_tokens // (3 * 64) + 1
+
+
+@pytest.mark.parametrize("gate", ["strong", "zero"])
+def test_a_split_backward_gives_the_loops_gradients_and_the_guard_chains_exactly(gate, chains_double, monkeypatch):
+    """The backward with the forward's tables splits its chains (through the kernels' double): with gates
+    that decay, windows are taken and the gradients stay the loops' within the chains' rounding; with
+    gates that do not, the guard refuses every window and the result is bitwise the unsplit one."""
+    inputs, do, dht = draw(11, seqlens=[700, 64, 390, 3], hqk=1, hv=2, K=128, V=128, gate=gate)
+    cp = ForwardTablesDouble(torch.tensor([2, 4], dtype=torch.int32))
+    args = dict(**inputs, do=do, dht=dht)
+    split = chunk_gated_delta_rule_bwd_torch(**args, cp=cp)
+    windows = chains_double.warm_windows
+    whole = chunk_gated_delta_rule_bwd_torch(**args)
+    monkeypatch.undo()
+    want = chunk_gated_delta_rule_bwd_torch(**args, sequential="torch")
+    for n in NAMES:
+        a, b = getattr(split, n), getattr(want, n)
+        assert torch.isfinite(a).all(), f"{gate}: {n} has values from a chunk no segment stored"
+        assert rel_l2(a.double(), b.double()) < 3e-3, (gate, n, rel_l2(a.double(), b.double()))
+    if gate == "zero":
+        assert windows == 0 and all(torch.equal(getattr(split, n), getattr(whole, n)) for n in NAMES)
+    else:
+        assert windows > 0

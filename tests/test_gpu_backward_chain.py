@@ -18,21 +18,21 @@
 """
 from __future__ import annotations
 
+import math
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from gdn_inputs import gate_values, rel_l2  # noqa: E402
+from gdn_inputs import float64_tokens, rel_l2  # noqa: E402
 from test_gpu_backward import check_against_oracle, make_case, run  # noqa: E402
 from test_gpu_forward import captured  # noqa: E402
 
 from flashqla_tune import ops  # noqa: E402  (registers flashqla_tune::gdn_bwd)
-from flashqla_tune.backward import chain_kernels, chunked_torch  # noqa: E402
+from flashqla_tune.backward import chain_kernels, chain_segments, chunked_torch  # noqa: E402
 from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse  # noqa: E402
 
 DEV = "cuda"
@@ -56,11 +56,7 @@ def chunk_inputs(seed, seqlens, hqk, hv, decay, h0, dht):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T = sum(seqlens)
     f64 = torch.float64
-    q = F.normalize(torch.randn(T, hqk, K, generator=gen, device=DEV, dtype=f64), dim=-1)
-    k = F.normalize(torch.randn(T, hqk, K, generator=gen, device=DEV, dtype=f64), dim=-1)
-    v = torch.randn(T, hv, V, generator=gen, device=DEV, dtype=f64)
-    g = gate_values(decay, (T, hv), gen, f64)
-    beta = torch.rand(T, hv, generator=gen, device=DEV, dtype=f64)
+    q, k, v, g, beta = float64_tokens(gen, T, hqk, hv, K, V, decay, DEV)
     do = torch.randn(T, hv, V, generator=gen, device=DEV, dtype=f64)
     bounds = (0, *torch.tensor(seqlens).cumsum(0).tolist())
     grid = chunked_torch.chunk_grid(tuple(int(b) for b in bounds), torch.device(DEV))
@@ -78,7 +74,7 @@ def chunk_inputs(seed, seqlens, hqk, hv, decay, h0, dht):
     Kd = (last[..., None] - gamma).exp()[..., None] * kc
     P = Gamma * (qc @ kc.transpose(-1, -2))
     N = len(seqlens)
-    return dict(grid=grid, w=Tm @ (d * kc), u=Tm @ vc, Kd=Kd, Qd=d * qc, dOs=dOs.contiguous(),
+    return dict(grid=grid, w=Tm @ (d * kc), u=Tm @ vc, Kd=Kd, Qd=d * qc, dOs=dOs.contiguous(), bc=bc,
                 PtdO=P.transpose(-1, -2) @ dOs, decay=last.exp(),
                 h0=torch.randn(N, hv, K, V, generator=gen, device=DEV, dtype=f64) if h0 else None,
                 dht=torch.randn(N, hv, K, V, generator=gen, device=DEV, dtype=f64) if dht else None)
@@ -104,12 +100,12 @@ def test_chain_kernels_match_float64_loops(name):
         f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
         decay = f32(x["decay"])
         out_f = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
-        hk, Vnk, final = chain_kernels.chain_states(w, kd, f32(x["u"]), decay, grid.chunk_offsets, f32(x["h0"]),
-                                                    out=out_f)
+        whole = chain_segments.whole_sequences(grid.chunk_offsets)
+        hk, Vnk, final = chain_kernels.chain_states(w, kd, f32(x["u"]), decay, whole, f32(x["h0"]), out=out_f)
         out_b = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
         dhk, dVnk, dh0k = chain_kernels.chain_gradients(
             w, kd, x["Qd"].to(op).contiguous(), x["dOs"].to(op).contiguous(), f32(x["PtdO"]), decay,
-            grid.chunk_offsets, f32(x["dht"]), out=out_b)
+            whole, f32(x["dht"]), out=out_b)
         torch.cuda.synchronize()
         # the reference's final state: S after each sequence's last chunk
         last = grid.chunk_offsets[1:] - 1
@@ -128,6 +124,99 @@ def test_chain_kernels_match_float64_loops(name):
         line = f"chain {name:26s} seed={seed} " + " ".join(parts)
         print(line)
         LOG.append(line)
+
+
+# name: (seqlens, hqk, hv, decay, h0, dht, warm-up windows per v-head)
+SPLIT_CASES = {
+    "split_strong_decay": ([3000, 5000, 70, 0], 1, 4, "strong", True, True, [4, 8, 2, -1]),
+    "split_mixed_decay": ([6000, 1100], 2, 4, "mixed", True, True, [8, 8, 8, 8]),
+    "split_zero_decay_guard": ([4000, 2500], 1, 2, "zero", True, True, [8, 8]),
+}
+SPLIT_CHUNKS = 16      # every bucket's segment length in these cases
+SPLIT_EPS = 1e-5
+
+
+def split_run(x, warmup):
+    """Both chains of chunk inputs x on the kernels, each sequence cut every SPLIT_CHUNKS chunks with
+    the guarded windows `warmup`, outputs NaN-poisoned first; and the same on whole sequences."""
+    grid = x["grid"]
+    NC, Hv = x["w"].shape[:2]
+    N = grid.num_seqs
+    op = chain_kernels.spec_for(K, V).torch_dtype
+    f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
+    w, kd, qd, dout = (x[n].to(op).contiguous() for n in ("w", "Kd", "Qd", "dOs"))
+    counts = (grid.chunk_offsets[1:] - grid.chunk_offsets[:-1]).tolist()
+    most = sum(max(1, -(-c // SPLIT_CHUNKS)) for c in counts) + 3   # three unused slots as well
+    table = torch.full((32,), SPLIT_CHUNKS, dtype=torch.int32, device=DEV)
+    split = chain_segments.split_sequences(grid.chunk_offsets, table, most,
+                                           torch.tensor(warmup, dtype=torch.int32, device=DEV), math.log(SPLIT_EPS))
+    key_norms = torch.ones(NC, Hv, 64, device=DEV)     # the inputs' keys are unit vectors
+    guard = chain_segments.window_log_decay(x["decay"].log().float(), x["bc"].float(), key_norms)
+    runs = {}
+    for label, segments in (("split", split), ("whole", chain_segments.whole_sequences(grid.chunk_offsets))):
+        out_f = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        out_b = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        states = chain_kernels.chain_states(w, kd, f32(x["u"]), f32(x["decay"]), segments, f32(x["h0"]), out=out_f,
+                                            window_log_decay=guard)
+        grads = chain_kernels.chain_gradients(w, kd, qd, dout, f32(x["PtdO"]), f32(x["decay"]), segments,
+                                              f32(x["dht"]), out=out_b, window_log_decay=guard)
+        runs[label] = (*states, *grads)
+    torch.cuda.synchronize()
+    return runs
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_chains_match_float64_loops(name):
+    """Context parallelism in the chains: every segment's chunks against the exact float64 loops,
+    within the kernels' bar (the warm-up drops at most eps of the state); where the gates do not
+    decay, the guard refuses every window and the split run is bitwise the whole-sequence run; where
+    they do, it is not (the windows were taken)."""
+    *case, warmup = SPLIT_CASES[name]
+    names = ("S_c", "Vn", "final", "dS_c+1", "dVn", "dh0")
+    for seed in range(3):
+        x = chunk_inputs(100 * seed + 31, *case)
+        grid = x["grid"]
+        h, Vn, dh_out, dVn, dh0 = chunked_torch.chains_torch(
+            grid, x["u"], x["w"], x["Kd"], x["decay"][..., None, None], x["Qd"], x["dOs"], x["PtdO"], x["h0"],
+            x["dht"])
+        runs = split_run(x, warmup)
+        split, whole = runs["split"], runs["whole"]
+        parts = []
+        for i, what in enumerate(names):
+            assert torch.isfinite(split[i]).all(), f"{name} seed={seed}: {what} has unwritten elements"
+            want = {"S_c": h, "Vn": Vn, "dS_c+1": dh_out, "dVn": dVn, "dh0": dh0}.get(what)
+            if want is None:   # the final state: the whole-sequence kernel's, checked above against the loops
+                want = whole[i].double()
+            err = rel_l2(split[i].double(), want)
+            parts.append(f"{what}={err:.2e}")
+            assert err < KERNEL_BAR, f"{name} seed={seed}: {what} relative L2 {err:.2e} >= {KERNEL_BAR}"
+        same = all(torch.equal(a, b) for a, b in zip(split, whole))
+        if case[3] == "zero":
+            assert same, f"{name}: the guard let a window through gates that do not decay"
+        line = f"split {name:24s} seed={seed} " + " ".join(parts) + f" bitwise_whole={same}"
+        print(line)
+        LOG.append(line)
+
+
+def test_a_window_reads_nothing_before_it():
+    """NaN in the first chunk's u (states) and the last chunk's scale P^T dO (gradients) of a sequence
+    cut every SPLIT_CHUNKS chunks: heads with a window keep every segment past the first (before the
+    last) finite, since their walks start at the window; the head that chains exactly (-1) and a head
+    whose gates do not decay (the guard refuses its windows) carry the NaN through every chunk."""
+    x = chunk_inputs(5, [4000], 1, 4, "strong", True, True)
+    x["decay"][:, 3] = 1.0                       # v-head 3: gates that do not decay
+    x["u"][0] = float("nan")
+    x["PtdO"][-1] = float("nan")
+    split = split_run(x, [8, 2, -1, 8])["split"]
+    states, grads = split[0], split[3]           # S_c and dS_{c+1}
+    first_segment, last_segment = slice(0, SPLIT_CHUNKS + 1), slice(-SPLIT_CHUNKS, None)
+    for hv, windowed in ((0, True), (1, True), (2, False), (3, False)):
+        later, earlier = states[SPLIT_CHUNKS + 1:, hv], grads[:-SPLIT_CHUNKS - 1, hv]
+        if windowed:
+            assert torch.isfinite(later).all() and torch.isfinite(earlier).all(), f"v-head {hv} read before its window"
+            assert torch.isnan(states[first_segment, hv][1:]).any() and torch.isnan(grads[last_segment, hv][:-1]).any()
+        else:
+            assert torch.isnan(later).all() and torch.isnan(earlier).all(), f"v-head {hv} took a window"
 
 
 def test_cuda_backward_runs_no_torch_loop(monkeypatch):
@@ -159,13 +248,14 @@ OP_CASES = {
 }
 
 
-def op_backward(leaves, do, dfinal, cu, vk, l2norm):
+def op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=None):
     """The op's registered backward (flashqla_tune::gdn_bwd, what autograd through
     ops.chunk_gated_delta_rule calls; the autograd plumbing around it is CPU-tested), on
-    NaN-free inputs; the gradients by leaf name."""
+    NaN-free inputs, for a forward call with the default plan and the warm-up table `warmup`
+    (None: exact chains); the gradients by leaf name."""
     grads = torch.ops.flashqla_tune.gdn_bwd(
         leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], cu, leaves["initial_state"], do, dfinal,
-        128 ** -0.5, l2norm, vk)
+        128 ** -0.5, l2norm, vk, "", warmup, 1e-5)
     torch.cuda.synchronize()
     out = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), grads))
     if leaves["initial_state"] is None:
@@ -232,3 +322,32 @@ def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph():
         assert torch.isfinite(t.grad).all(), f"the replay left the gradient of {n} unwritten"
         err = rel_l2(t.grad, eager[n])
         assert err <= 1e-6, f"d{n}: replay against eager relative L2 {err:.2e}"
+
+
+# name: (seqlens, hqk, hv, dtype, decay, h0, dht, layout_vk, l2norm, warm-up table)
+SPLIT_OP_CASES = {
+    "split_default_window_mixed": ([16384, 3000, 70], 2, 8, torch.bfloat16, "mixed", True, True, False, False,
+                                   [8] * 8),
+    "split_calibrated_vk_l2norm_strong": ([12000], 4, 16, torch.bfloat16, "strong", True, True, True, True,
+                                          [2, 4, 8, -1] * 4),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_OP_CASES))
+def test_op_gradients_with_split_chains_match_float64(name):
+    """The op's backward with a forward call's warm-up table: its chains split the long sequences as the
+    forward's CP does (checked: the tables cut them), guarded, and every gradient stays within the bar."""
+    from flashqla_tune.backward.autograd import forward_tables
+
+    *case, warmup = SPLIT_OP_CASES[name]
+    seqlens, hqk, hv, dtype, decay, h0, dht, vk, l2norm = case
+    for seed in range(3):
+        leaves, do, dfinal, cu = make_case(1000 * seed + 29, *case)
+        if seed == 0:
+            tables = forward_tables(leaves["q"], leaves["v"], vk, "", warmup, 1e-5)
+            assert tables is not None and tables.bound(sum(seqlens), len(seqlens)) > len(seqlens), name
+        grads = op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=warmup)
+        line = f"op {name:24s} seed={seed} " + check_against_oracle(name, seed, grads, leaves, do, dfinal, cu, vk,
+                                                                       l2norm, chain_op_bar)
+        print(line)
+        LOG.append(line)

@@ -339,9 +339,57 @@ def test_loading_a_pack_hands_its_host_extension_to_the_host_path(tmp_path, monk
     assert seen == [(pack, HostExtension(**record))]
 
 
-def _with_backward(pack, **changes):
-    """Give a pack double the backward's chain library and its manifest record (FakeBinary bytes:
-    nothing opens it in these tests), as `flashqla-tune build` writes them."""
+def _backward_modules():
+    from flashqla_tune.backward import libraries
+
+    return libraries.modules()
+
+
+def test_the_manifest_records_each_backward_library_and_checks_its_binary(tmp_path):
+    from flashqla_tune.backward import libraries
+    from flashqla_tune.pack import BACKWARD_KINDS
+    from flashqla_tune.pack_signing import signed_files
+
+    assert BACKWARD_KINDS == libraries.KINDS
+    pack = make_pack(tmp_path / "p")
+    m = read_manifest(pack)
+    assert [b.kind for b in m.backward] == ["chain", "prep", "chunk"]
+    for kind, module in _backward_modules().items():
+        record = m.backward_library(kind)
+        assert record.spec == module.spec_for(128, 128).to_dict() and record.abi_version == module.ABI_VERSION
+        assert record.so in signed_files(m)   # a signature covers each like every other binary
+    assert Manifest.from_dict(m.to_dict(), "round trip") == m
+    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[0]
+    check_binaries(pack, m, [])
+    for record in m.backward:
+        so = pack / record.so
+        good = so.read_bytes()
+        so.write_bytes(b"tampered")
+        with pytest.raises(PackError, match=f"{record.so} does not match its recorded sha256"):
+            check_binaries(pack, m, [])
+        so.write_bytes(good)
+    edit_manifest(pack, lambda d: d["backward_libraries"][1].update(abi_version=m.backward[1].abi_version + 1))
+    assert "backward prep kernels are stale (prep ABI" in _reuse_reason(pack, SHA, (1, 2), {}, None)[1]
+    edit_manifest(pack, lambda d: d["backward_libraries"].pop(1))
+    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[1] == "the pack carries no backward prep kernels"
+    assert read_manifest(pack).backward_library("prep") is None
+    old = make_pack(tmp_path / "old", backward=False)
+    assert read_manifest(old).backward == ()
+    assert _reuse_reason(old, SHA, (1, 2), {}, None)[1] == "the pack carries no backward chain kernels"
+    edit_manifest(pack, lambda d: d["backward_libraries"][0].update(so="/elsewhere.so"))
+    with pytest.raises(PackError, match=r"backward_libraries\[0\]"):
+        read_manifest(pack)
+    edit_manifest(pack, lambda d: d.update(backward_libraries=[{"kind": "chain", "so": "binaries/x.so"}]))
+    with pytest.raises(PackError, match=r"backward_libraries\[0\]"):
+        read_manifest(pack)
+    edit_manifest(pack, lambda d: d.update(backward_libraries={"chain": {}}))
+    with pytest.raises(PackError, match="backward_libraries is dict, expected a list"):
+        read_manifest(pack)
+
+
+def _single_backward_entry(pack, **changes):
+    """Give a pack double the manifest of a pack that lists only the chain library, as the single
+    "backward" entry without a kind (and its FakeBinary file)."""
     from flashqla_tune.backward import chain_kernels
 
     spec = chain_kernels.spec_for(128, 128)
@@ -349,31 +397,38 @@ def _with_backward(pack, **changes):
     so.write_bytes(b"FakeBinary backward chains")
     record = {"so": f"{BINARIES}/{so.name}", "sha256": sha256_file(so), "spec": spec.to_dict(),
               "abi_version": chain_kernels.ABI_VERSION, **changes}
-    edit_manifest(pack, lambda d: d.update(backward=record))
+
+    def change(d):
+        d.pop("backward_libraries")
+        d["backward"] = record
+
+    edit_manifest(pack, change)
     return so, record, spec
 
 
-def test_the_manifest_records_the_backward_chains_and_checks_their_binary(tmp_path):
+def test_a_manifest_with_the_single_backward_entry_reads_as_the_chain_library(tmp_path, monkeypatch):
+    from flashqla_tune.backward import chain_kernels
     from flashqla_tune.pack import BackwardLibrary
     from flashqla_tune.pack_signing import signed_files
 
-    old = make_pack(tmp_path / "old", backward=False)
-    assert read_manifest(old).backward is None  # a pack made before reads as such, and is rebuilt
-    reuse, why = _reuse_reason(old, SHA, (1, 2), {}, None)
-    assert not reuse and why == "the pack carries no backward chain kernels"
     pack = make_pack(tmp_path / "p", backward=False)
-    so, record, _ = _with_backward(pack)
-    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[0]
-    edit_manifest(pack, lambda d: d["backward"].update(abi_version=record["abi_version"] + 1))
-    assert "backward chain kernels are stale (chain ABI" in _reuse_reason(pack, SHA, (1, 2), {}, None)[1]
-    edit_manifest(pack, lambda d: d["backward"].update(abi_version=record["abi_version"]))
+    so, record, spec = _single_backward_entry(pack)
     m = read_manifest(pack)
-    assert m.backward == BackwardLibrary(**record) and Manifest.from_dict(m.to_dict(), "round trip") == m
-    assert record["so"] in signed_files(m)   # a signature covers it like every other binary
+    assert m.backward == (BackwardLibrary("chain", **record),) and m.backward_library("chain").so == record["so"]
+    assert Manifest.from_dict(m.to_dict(), "round trip") == m   # written back under backward_libraries
+    assert record["so"] in signed_files(m)
     check_binaries(pack, m, [])
-    so.write_bytes(b"tampered")
-    with pytest.raises(PackError, match=f"{BINARIES}/{so.name} does not match its recorded sha256"):
-        check_binaries(pack, m, [])
+    # it loads, offering its chain library; the build rebuilds it for the other two
+    assert _reuse_reason(pack, SHA, (1, 2), {}, None)[1] == "the pack carries no backward prep kernels"
+    offered = []
+    monkeypatch.setattr(chain_kernels, "offer_library", lambda *a: offered.append(a))
+    _load(pack)
+    assert offered == [(spec, so, record["sha256"])]
+    # a single entry and the list together are refused; so is a damaged single entry
+    edit_manifest(pack, lambda d: d.update(backward_libraries=[]))
+    with pytest.raises(PackError, match="both backward_libraries and a single backward entry"):
+        read_manifest(pack)
+    edit_manifest(pack, lambda d: d.pop("backward_libraries"))
     edit_manifest(pack, lambda d: d["backward"].update(so="/elsewhere.so"))
     with pytest.raises(PackError, match="backward"):
         read_manifest(pack)
@@ -382,41 +437,77 @@ def test_the_manifest_records_the_backward_chains_and_checks_their_binary(tmp_pa
         read_manifest(pack)
 
 
-def test_loading_a_pack_offers_its_backward_chains_or_says_why_not(tmp_path, monkeypatch, caplog):
-    from flashqla_tune.backward import chain_kernels
+@pytest.mark.parametrize("change, named", [
+    (lambda libs: libs[1].update(kind="dense"),
+     "backward_libraries\\[1\\]: kind is 'dense', expected one of chain, prep, chunk"),
+    (lambda libs: libs[2].pop("kind"), "backward_libraries\\[2\\]: kind is None"),
+    (lambda libs: libs[2].update(kind="prep"), "backward_libraries\\[2\\]: kind 'prep' is listed twice"),
+    (lambda libs: libs.append(dict(libs[0])), "backward_libraries\\[3\\]: kind 'chain' is listed twice"),
+])
+def test_an_unknown_or_repeated_backward_kind_is_refused_by_name(tmp_path, change, named):
+    pack = make_pack(tmp_path / "p")
+    edit_manifest(pack, lambda d: change(d["backward_libraries"]))
+    with pytest.raises(PackError, match=named):
+        read_manifest(pack)
 
+
+def test_loading_a_pack_offers_each_backward_library_or_says_why_not(tmp_path, monkeypatch, caplog):
     offered = []
-    monkeypatch.setattr(chain_kernels, "offer_library", lambda spec, path, sha: offered.append((spec, path, sha)))
-    pack = make_pack(tmp_path / "p", backward=False)
-    so, record, spec = _with_backward(pack)
+    for kind, module in _backward_modules().items():
+        monkeypatch.setattr(module, "offer_library",
+                            lambda spec, path, sha, kind=kind: offered.append((kind, spec, path, sha)))
+    pack = make_pack(tmp_path / "p")
+    m = read_manifest(pack)
     _load(pack)
-    assert offered == [(spec, so, record["sha256"])]
-    other = make_pack(tmp_path / "q", backward=False)
-    _with_backward(other, abi_version=chain_kernels.ABI_VERSION + 1)
+    assert offered == [(b.kind, _backward_modules()[b.kind].spec_for(128, 128), pack / b.so, b.sha256)
+                       for b in m.backward]
+    assert [kind for kind, *_ in offered] == ["chain", "prep", "chunk"]
+    offered.clear()
+    # a record of another ABI is passed over with one warning; the others are offered
+    other = make_pack(tmp_path / "q")
+    edit_manifest(other, lambda d: d["backward_libraries"][1].update(abi_version=d["backward_libraries"][1]
+                                                                     ["abi_version"] + 1))
     with caplog.at_level("WARNING", logger="flashqla_tune"):
         _load(other)
-    assert len(offered) == 1 and "builds them on first use" in caplog.text
+    assert [kind for kind, *_ in offered] == ["chain", "chunk"]
+    warned = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
+    assert len(warned) == 1 and "backward prep kernels" in warned[0] and "builds them on first use" in warned[0]
+    # a record of a kind this flashqla_tune has none of for these dims: passed over with one warning
+    offered.clear()
+    caplog.clear()
+
+    def no_chunk_kernels(K, V):
+        raise ValueError(f"no chunk kernels for K={K}, V={V} in this test")
+
+    monkeypatch.setattr(_backward_modules()["chunk"], "spec_for", no_chunk_kernels)
+    with caplog.at_level("WARNING", logger="flashqla_tune"):
+        _load(pack)
+    assert [kind for kind, *_ in offered] == ["chain", "prep"]
+    warned = [r.getMessage() for r in caplog.records if "backward" in r.getMessage()]
+    assert len(warned) == 1 and "backward chunk kernels" in warned[0] and "runs that part in torch" in warned[0]
 
 
-def test_an_offered_library_is_opened_on_first_use_only(tmp_path, monkeypatch):
-    from flashqla_tune.backward import chain_kernels
+@pytest.mark.parametrize("kind", ["chain", "prep", "chunk"])
+def test_a_packs_backward_library_is_opened_on_first_use_only_and_refused_when_changed(tmp_path, monkeypatch,
+                                                                                        kind):
+    from flashqla_tune.backward import kernel_library
 
+    module = _backward_modules()[kind]
     opened = []
-    monkeypatch.setattr(chain_kernels, "_libraries", {})
-    monkeypatch.setattr(chain_kernels, "_offered", {})
-    monkeypatch.setattr(chain_kernels, "ChainLibrary", lambda path, spec: opened.append(path) or ("library", path))
-    monkeypatch.setattr(chain_kernels, "get_chain_library", lambda *a, **k: pytest.fail("built instead"))
-    spec = chain_kernels.spec_for(128, 128)
-    so = tmp_path / "pack.so"
-    so.write_bytes(b"FakeBinary backward chains")
-    chain_kernels.offer_library(spec, so, sha256_file(so))
-    assert opened == []
-    assert chain_kernels.library(spec) == ("library", so) and opened == [so]
-    assert chain_kernels.library(spec) == ("library", so) and len(opened) == 1
+    monkeypatch.setattr(kernel_library, "OpenedLibrary",
+                        lambda lib_kind, path, spec: opened.append((lib_kind.symbol, path)) or ("library", path))
+    monkeypatch.setattr(module.LIBRARIES, "cache_entry", lambda *a, **k: pytest.fail("built instead"))
+    pack = make_pack(tmp_path / "p")
+    record = read_manifest(pack).backward_library(kind)
+    spec = module.spec_for(128, 128)
+    _load(pack)
+    assert opened == []   # loading opens none of them
+    assert module.library(spec) == ("library", pack / record.so) and opened == [(module.KIND.symbol, pack / record.so)]
+    assert module.library(spec) == ("library", pack / record.so) and len(opened) == 1
     # a library changed between the pack's load and its first backward is refused, not opened
-    monkeypatch.setattr(chain_kernels, "_libraries", {})
-    chain_kernels.offer_library(spec, so, sha256_file(so))
-    so.write_bytes(b"swapped")
-    with pytest.raises(chain_kernels.ChainKernelError, match="does not match the sha256 its pack recorded"):
-        chain_kernels.library(spec)
+    module.LIBRARIES.forget()
+    _load(pack)
+    (pack / record.so).write_bytes(b"swapped")
+    with pytest.raises(module.KIND.error, match="does not match the sha256 its pack recorded"):
+        module.library(spec)
     assert len(opened) == 1

@@ -25,24 +25,39 @@ _DQ, _DK, _DV, _DG, _DBETA, _DH0 = 0, 1, 2, 3, 4, 6
 
 def gdn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, do: torch.Tensor,
-                 dht: torch.Tensor | None, scale: float, use_qk_l2norm: bool,
-                 state_v_first: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor, torch.Tensor]:
+                 dht: torch.Tensor | None, scale: float, use_qk_l2norm: bool, state_v_first: bool,
+                 plan_name: str, warmup: list[int] | None,
+                 warmup_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                             torch.Tensor, torch.Tensor]:
     """Packed inputs ([1, T, H, D], int64 offsets) and the gradients of o and of the final state ->
     (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype; dh0 is an empty tensor without an
-    initial state (a custom op returns tensors only)."""
+    initial state (a custom op returns tensors only). plan_name, warmup and warmup_eps are the
+    forward call's (gdn_fwd's): the chains split long sequences as its CP does."""
     grads = chunk_gated_delta_rule_bwd_torch(
         q, k, v, g, beta, do, dht=dht, scale=scale, initial_state=initial_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=state_v_first, cu_seqlens=cu_seqlens)
+        use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cp=forward_tables(q, v, state_v_first, plan_name, warmup, warmup_eps))
     dh0 = grads.dh0 if grads.dh0 is not None else q.new_empty((0,), dtype=torch.float32)
     return grads.dq, grads.dk, grads.dv, grads.dg.to(g.dtype), grads.dbeta, dh0
+
+
+def forward_tables(q, v, state_v_first: bool, plan_name: str, warmup: list[int] | None, warmup_eps: float):
+    """The warm-up tables (warmup_tables.WarmupTables) the forward call used, which the forward's call
+    cached already; None where it chained every sequence exactly, or off CUDA (the torch loops)."""
+    if warmup is None or q.device.type != "cuda":
+        return None
+    from .. import ops, warmup_tables  # ops imports this module
+
+    bound = ops.BoundCall(ops.call_spec(q, v, state_v_first), plan_name, tuple(warmup), float(warmup_eps))
+    return warmup_tables.tables_for(bound.warmup, bound.plan, q.device, bound.warmup_eps, bound.segment_lengths)
 
 
 _gdn_bwd_op = torch.library.custom_op("flashqla_tune::gdn_bwd", mutates_args=())(gdn_bwd_impl)
 
 
 @_gdn_bwd_op.register_fake
-def _(q, k, v, g, beta, cu_seqlens, initial_state, do, dht, scale, use_qk_l2norm, state_v_first):
+def _(q, k, v, g, beta, cu_seqlens, initial_state, do, dht, scale, use_qk_l2norm, state_v_first, plan_name, warmup,
+      warmup_eps):
     # contiguous, as the implementation returns them, whatever the inputs' strides
     dh0 = (initial_state.new_empty(initial_state.shape) if initial_state is not None
            else q.new_empty((0,), dtype=torch.float32))
@@ -57,12 +72,13 @@ _gdn_bwd_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inp
 
 
 def setup_context(ctx, inputs, output) -> None:
-    """gdn_fwd's inputs (ops.gdn_fwd_impl's order) -> what the backward needs: the tensors, the scale
-    and the flags; nothing of the forward's outputs."""
+    """gdn_fwd's inputs (ops.gdn_fwd_impl's order) -> what the backward needs: the tensors, the scale,
+    the flags and the call's plan and warm-up table (its CP split); nothing of the forward's outputs."""
     (q, k, v, g, beta, cu_seqlens, initial_state, scale, _output_final_state, use_qk_l2norm, state_v_first,
-     _plan_name, _warmup, _warmup_eps, _longest_tokens) = inputs
+     plan_name, warmup, warmup_eps, _longest_tokens) = inputs
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state)
     ctx.scale, ctx.use_qk_l2norm, ctx.state_v_first = float(scale), bool(use_qk_l2norm), bool(state_v_first)
+    ctx.plan_name, ctx.warmup, ctx.warmup_eps = plan_name, None if warmup is None else list(warmup), float(warmup_eps)
 
 
 def backward(ctx, do, dfinal):
@@ -73,7 +89,8 @@ def backward(ctx, do, dfinal):
         do = torch.zeros_like(v)
     dht = dfinal if dfinal is not None and dfinal.numel() else None
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashqla_tune.gdn_bwd(
-        q, k, v, g, beta, cu_seqlens, initial_state, do, dht, ctx.scale, ctx.use_qk_l2norm, ctx.state_v_first)
+        q, k, v, g, beta, cu_seqlens, initial_state, do, dht, ctx.scale, ctx.use_qk_l2norm, ctx.state_v_first,
+        ctx.plan_name, ctx.warmup, ctx.warmup_eps)
     grads = [None] * _FWD_ARGS
     grads[_DQ], grads[_DK], grads[_DV], grads[_DG], grads[_DBETA] = dq, dk, dv, dg, dbeta
     if initial_state is not None:

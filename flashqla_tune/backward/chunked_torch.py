@@ -3,10 +3,11 @@
 This is the op's backward (flashqla_tune.ops registers it on the custom op) and the specification
 of the Hopper backward kernels. On a CUDA device (fp32 compute) its two sequential steps, 1 and 2
 below, run as the chain kernels of chain_kernels.py (csrc/gdn_bwd_chain.cuh), one launch each, and
+step 3 as the per-chunk gradient kernel of chunk_kernels.py (csrc/gdn_bwd_chunk.cuh), one launch;
 everything else is batched torch work, so no Python loop runs per chunk; elsewhere (the CPU, a float64
-check) they are the torch loops over chunk positions below, which stay the reference the kernels
-are tested against (`sequential="torch"`). Per chunk of C = 64 tokens and v-head, with the forward
-of DESIGN.md "The math" written as
+check) they are the torch loops over chunk positions and per_chunk_gradients below, which stay the
+reference the kernels are tested against (`sequential="torch"`). Per chunk of C = 64 tokens and
+v-head, with the forward of DESIGN.md "The math" written as
 
     u  = T V,   w = T D K,   T = (Gamma * A0) diag(b)       (the WY factors)
     Vn = u - w S                                             (the chunk's new values)
@@ -215,35 +216,85 @@ def uses_chain_kernels(sequential: str, device, compute_dtype, head_k_dim: int, 
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _chain_library_or_none(sequential: str, K: int, V: int):
-    """The chain library for these dims, or None where "auto" cannot build or open it: said once in
-    a warning, and remembered, so later backwards go to the loops without trying again; "kernels"
-    raises the error."""
-    from . import chain_kernels
+def _library_or_none(module, sequential: str, K: int, V: int, fallback: str):
+    """`module`'s library (chain_kernels, prep_kernels or chunk_kernels) for these dims, or None
+    where "auto" cannot build or open it: said once in a warning ending with `fallback` (what the
+    backward does instead), and remembered, so later backwards fall back without trying again;
+    "kernels" raises the library's BackwardKernelError."""
+    from .kernel_library import BackwardKernelError
 
-    spec = chain_kernels.spec_for(K, V)
-    failed = _CHAIN_FAILURES.get(spec)
+    spec = module.spec_for(K, V)
+    failed = _LIBRARY_FAILURES.get(spec)
     if failed is None:
         try:
-            return chain_kernels.library(spec)
-        except chain_kernels.ChainKernelError as exc:
-            failed = _CHAIN_FAILURES[spec] = exc
+            return module.library(spec)
+        except BackwardKernelError as exc:
+            failed = _LIBRARY_FAILURES[spec] = exc
             if sequential != "kernels":
-                warnings.warn(f"{exc}; the backward runs its two chains as torch loops over chunk positions (the "
-                              f"same gradients, slower)", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"{exc}; {fallback} (the same gradients, slower)", RuntimeWarning, stacklevel=3)
     if sequential == "kernels":
         raise failed
     return None
 
 
-# The chain libraries that could not be had in this process, by spec, with why.
-_CHAIN_FAILURES: dict = {}
+# The backward libraries that could not be had in this process, by spec (each kind has its own
+# spec type), with why.
+_LIBRARY_FAILURES: dict = {}
+
+
+def _chain_library_or_none(sequential: str, K: int, V: int):
+    """The chain library, or None (_library_or_none): the two chains then run as torch loops."""
+    from . import chain_kernels
+
+    return _library_or_none(chain_kernels, sequential, K, V,
+                            "the backward runs its two chains as torch loops over chunk positions")
+
+
+def _chunk_library_or_none(sequential: str, K: int, V: int):
+    """The per-chunk gradient library (step 3), or None (_library_or_none): step 3 then runs in torch."""
+    from . import chunk_kernels
+
+    return _library_or_none(chunk_kernels, sequential, K, V, "the backward computes its per-chunk gradients in torch")
+
+
+def _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group: int) -> dict:
+    """The state-independent forward pieces in torch, batched over every chunk (the prep kernel's
+    outputs where it runs): gamma, A0, u, PtdO = scale P^T dO, and the chains' w, Kd and D Q."""
+    qc, kc = q_chunks.repeat_interleave(group, dim=1), k_chunks.repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
+    gamma = gc.cumsum(-1)
+    gamma_last = gamma[..., -1]
+    Gamma = decay_mask(gamma)                                  # [NC, Hv, C, C]
+    A0 = gate_free_inverse(kc, bc)
+    Tm = Gamma * A0 * bc[..., None, :]
+    d = gamma.exp()[..., None]                                 # D as a column [NC, Hv, C, 1]
+    f = (gamma_last[..., None] - gamma).exp()[..., None]       # e^{gamma_C - gamma}
+    P = Gamma * (qc @ kc.transpose(-1, -2))
+    return dict(gamma=gamma, A0=A0, u=Tm @ vc, w=Tm @ (d * kc), Kd=f * kc, Qd=d * qc,
+                PtdO=P.transpose(-1, -2) @ dOs)
+
+
+def _prep_pieces(sequential: str, grid: ChunkGrid, q_chunks, k_chunks, vc, dOs, gc, bc):
+    """The state-independent pieces from the prep kernel (prep_kernels.backward_prep: the chains'
+    inputs, gamma and A0), or None where "auto" cannot build or open its library: said once in a
+    warning and remembered, and the torch pieces run instead; "kernels" raises the error. q_chunks,
+    k_chunks [NC, Hqk, C, K] fp32 (normalised where the op normalises), vc and dOs to_chunks' fp32
+    views, gc and bc [NC, Hv, C]."""
+    from . import prep_kernels
+
+    K, V = q_chunks.shape[-1], vc.shape[-1]
+    if _library_or_none(prep_kernels, sequential, K, V,
+                        "the backward computes its state-independent pieces in torch") is None:
+        return None
+    spec = prep_kernels.spec_for(K, V)
+    op = spec.torch_dtype
+    q16, k16 = (x.to(op, memory_format=torch.contiguous_format) for x in (q_chunks, k_chunks))
+    return prep_kernels.backward_prep(q16, k16, vc, dOs, gc.contiguous(), bc.contiguous(), gated_inverse=False)
 
 
 def chunk_gated_delta_rule_bwd_torch(
     q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, compute_dtype=torch.float32,
-    sequential="auto",
+    sequential="auto", cp=None,
 ) -> GDNGradients:
     """Gradients of <o, do> + <final_state, dht> for the op's forward (same arguments, the
     forward's o and final state never needed): q, k [B,T,Hqk,K], v and do [B,T,Hv,V], g and beta
@@ -251,7 +302,10 @@ def chunk_gated_delta_rule_bwd_torch(
     in compute_dtype (fp32; float64 makes it an exact check of the algorithm). sequential picks
     how steps 1 and 2 run (uses_chain_kernels): the chain kernels, whose chunk grid is built on the
     device (device_chunk_grid: no host sync), or the torch loops, which read cu_seqlens on the host
-    (one device sync without cu_seqlens_cpu)."""
+    (one device sync without cu_seqlens_cpu). cp: the forward call's warm-up tables
+    (warmup_tables.WarmupTables) or None; with them the chain kernels split long sequences as the
+    forward's CP does (chain_segments), guarded, else every sequence is one chain (as the torch loops
+    always are)."""
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
@@ -290,56 +344,104 @@ def chunk_gated_delta_rule_bwd_torch(
 
     q_raw, k_raw = flat(q), flat(k)
     qf, kf = (l2_normalize(q_raw), l2_normalize(k_raw)) if use_qk_l2norm_in_kernel else (q_raw, k_raw)
-    qc = to_chunks(qf, grid).repeat_interleave(group, dim=1)  # [NC, Hv, C, K]
-    kc = to_chunks(kf, grid).repeat_interleave(group, dim=1)
+    q_chunks, k_chunks = to_chunks(qf, grid), to_chunks(kf, grid)   # [NC, Hqk, C, K]
     vc = to_chunks(flat(v), grid)                              # [NC, Hv, C, V]
     bc = to_chunks(flat(beta), grid)                           # [NC, Hv, C]
+    gc = to_chunks(flat(g), grid)                              # [NC, Hv, C]
     dOs = scale * to_chunks(flat(do), grid)                    # scale folded into dO
-
-    # State-independent forward pieces, batched over every chunk.
-    gamma = to_chunks(flat(g), grid).cumsum(-1)
-    gamma_last = gamma[..., -1]
-    Gamma = decay_mask(gamma)                                  # [NC, Hv, C, C]
-    A0 = gate_free_inverse(kc, bc)
-    A = Gamma * A0
-    Tm = A * bc[..., None, :]
-    d = gamma.exp()[..., None]                                 # D as a column [NC, Hv, C, 1]
-    f = (gamma_last[..., None] - gamma).exp()[..., None]       # e^{gamma_C - gamma}
-    decay = gamma_last.exp()[..., None, None]                  # e^{gamma_C}
-    Kdd = d * kc
-    u, w = Tm @ vc, Tm @ Kdd
-    Qd, Kd = d * qc, f * kc
-    QK = qc @ kc.transpose(-1, -2)
-    P = Gamma * QK
-
     h0 = None if initial_state is None else kv_state(initial_state)
     dS_end = None if dht is None else kv_state(dht)
-    PtdO = P.transpose(-1, -2) @ dOs
+    # With the chain kernels the state-independent pieces come from one prep kernel launch
+    # (prep_kernels) and step 3 is one kernel launch (chunk_kernels); each falls back to torch, with
+    # one warning, where its library cannot be had.
+    pieces = _prep_pieces(sequential, grid, q_chunks, k_chunks, vc, dOs, gc, bc) if kernels else None
+    step3_kernel = kernels and _chunk_library_or_none(sequential, K, V) is not None
+    torch_pieces = None if pieces is not None else _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group)
+    if pieces is not None:
+        gamma, A0, u, PtdO = pieces.gamma, pieces.a0, pieces.u, pieces.ptdo
+    else:
+        gamma, A0, u, PtdO = (torch_pieces[n] for n in ("gamma", "A0", "u", "PtdO"))
+    gamma_last = gamma[..., -1]
     if kernels:
         # 1 and 2 as one chain kernel launch each (chain_kernels): 16-bit operands, fp32 chains.
         # Each chain is linear in its inputs per (sequence, v-head): in (u, h0) and in (dO, dht). It
         # runs on them brought near unit magnitude by a power of two per (sequence, v-head) (exact,
         # and independent of what else is in the batch), so that a training step's tiny output
         # gradients neither underflow nor lose their mantissa in the 16-bit operands and a large
-        # state does not overflow them; the results are scaled back.
+        # state does not overflow them; step 3 takes the results so scaled, or they are scaled back.
         from . import chain_kernels
 
         op = chain_kernels.spec_for(K, V).torch_dtype
-        w_op, Kd_op = w.to(op).contiguous(), Kd.to(op).contiguous()
-        chunk_decay = gamma_last.exp().contiguous()
-        unit, unit_c = _chain_units(grid, u, h0)
-        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_c).contiguous(), chunk_decay,
-                                              grid.chunk_offsets, None if h0 is None else (h0 * unit).contiguous())
-        h, Vn = h / unit_c, Vn / unit_c
-        unit, unit_c = _chain_units(grid, dOs, dS_end)
+        if pieces is not None:
+            w_op, Kd_op, Qd_op, chunk_decay = pieces.w, pieces.kd, pieces.qd, pieces.decay
+        else:
+            w_op, Kd_op, Qd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd", "Qd"))
+            chunk_decay = gamma_last.exp().contiguous()
+        segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, kf, group)
+        unit_u, unit_u_c = _chain_units(grid, u, h0)
+        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_u_c).contiguous(), chunk_decay, segments,
+                                              None if h0 is None else (h0 * unit_u).contiguous(),
+                                              window_log_decay=guard)
+        unit_d, unit_d_c = _chain_units(grid, dOs, dS_end)
         dh_out, dVn, dS = chain_kernels.chain_gradients(
-            w_op, Kd_op, Qd.to(op).contiguous(), (dOs * unit_c).to(op).contiguous(), (PtdO * unit_c).contiguous(),
-            chunk_decay, grid.chunk_offsets, None if dS_end is None else (dS_end * unit).contiguous())
-        dh_out, dVn, dS = dh_out / unit_c, dVn / unit_c, dS / unit
-    else:
-        h, Vn, dh_out, dVn, dS = chains_torch(grid, u, w, Kd, decay, Qd, dOs, PtdO, h0, dS_end)
+            w_op, Kd_op, Qd_op, (dOs * unit_d_c).to(op).contiguous(),
+            (PtdO * unit_d_c).contiguous(), chunk_decay, segments,
+            None if dS_end is None else (dS_end * unit_d).contiguous(), window_log_decay=guard)
+        dS = dS / unit_d
+        if step3_kernel:
+            # 3 as one kernel launch on the chains' results as they come, still scaled by the units
+            # (16-bit operands, fp32 accumulation; the gradients come back unscaled); q and k per q/k
+            # head, and they, v, dO, beta and gamma read in place from to_chunks' views
+            from . import chunk_kernels
 
-    # 3. Per-chunk gradients, batched over every chunk.
+            per_chunk = chunk_kernels.chunk_gradients(
+                q_chunks, k_chunks, vc, dOs, bc, gamma, A0.contiguous(), h, dh_out, Vn, dVn,
+                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv))
+        else:
+            h, Vn, dh_out, dVn = h / unit_u_c, Vn / unit_u_c, dh_out / unit_d_c, dVn / unit_d_c
+            per_chunk = None
+    else:
+        tp = torch_pieces
+        h, Vn, dh_out, dVn, dS = chains_torch(grid, u, tp["w"], tp["Kd"], gamma_last.exp()[..., None, None], tp["Qd"],
+                                              dOs, PtdO, h0, dS_end)
+        per_chunk = None
+    if per_chunk is None:
+        qc, kc = q_chunks.repeat_interleave(group, dim=1), k_chunks.repeat_interleave(group, dim=1)
+        Gamma = decay_mask(gamma)                              # [NC, Hv, C, C]
+        A = Gamma * A0
+        Kdd = gamma.exp()[..., None] * kc
+        per_chunk = per_chunk_gradients(qc, kc, vc, bc, dOs, gamma, Gamma, A0, A, A * bc[..., None, :], Kdd,
+                                        qc @ kc.transpose(-1, -2), h, dh_out, Vn, dVn)
+    dqc, dkc, dvc, dbc, dgc = per_chunk
+
+    def tokens(xc, heads_summed=False):
+        if heads_summed:  # v-heads -> their q/k head
+            xc = xc.view(NC, Hqk, group, *xc.shape[2:]).sum(2)
+        return from_chunks(xc, grid, B * T)
+
+    dqf, dkf = tokens(dqc, True), tokens(dkc, True)
+    if use_qk_l2norm_in_kernel:
+        dqf, dkf = l2_normalize_backward(q_raw, dqf), l2_normalize_backward(k_raw, dkf)
+    dh0 = None
+    if initial_state is not None:
+        dh0 = (dS.transpose(-1, -2) if state_v_first else dS).contiguous().to(initial_state.dtype)
+    return GDNGradients(
+        dq=dqf.view(B, T, Hqk, K).to(q.dtype), dk=dkf.view(B, T, Hqk, K).to(k.dtype),
+        dv=tokens(dvc).view(B, T, Hv, V).to(v.dtype),
+        dg=tokens(dgc).view(B, T, Hv).to(torch.promote_types(dt, torch.float32)),
+        dbeta=tokens(dbc).view(B, T, Hv).to(beta.dtype), dh0=dh0)
+
+
+def per_chunk_gradients(qc, kc, vc, bc, dOs, gamma, Gamma, A0, A, Tm, Kdd, QK, h, dh_out, Vn, dVn):
+    """3. Per-chunk gradients, batched over every chunk (the torch path, and the reference the
+    per-chunk gradient kernel is tested against): from the chunk-layout inputs [NC, Hv, C, .] (q and k
+    repeated over the v-heads, the scaled dO), the in-chunk cumulative gate gamma, the forward pieces
+    Gamma, A0, A = Gamma * A0, Tm = A diag(b), Kdd = D K and QK = Q K^T, and the chains' S_c (h),
+    dS_{c+1} (dh_out), Vn and dVn -> (dq, dk, dv [NC, Hv, C, .], dbeta, dg [NC, Hv, C]) per v-head,
+    dg the reverse cumulative sum of the gate's gradient."""
+    d = gamma.exp()[..., None]                                 # D as a column [NC, Hv, C, 1]
+    f = (gamma[..., -1:] - gamma).exp()[..., None]             # e^{gamma_C - gamma}
+    decay = gamma[..., -1].exp()[..., None, None]              # e^{gamma_C}
     hT = h.transpose(-1, -2)
     dQd = dOs @ hT                                             # [NC, Hv, C, K]
     dP = dOs @ Vn.transpose(-1, -2)                            # [NC, Hv, C, C]
@@ -365,23 +467,23 @@ def chunk_gated_delta_rule_bwd_torch(
     dgamma = (d[..., 0] * ((dQd * qc).sum(-1) + (dKdd * kc).sum(-1)) + E.sum(-1) - E.sum(-2) - df)
     dgamma[..., -1] += df.sum(-1) + decay[..., 0, 0] * ddecay  # gamma_C: the chunk's last slot (pads carry g = 0)
     dgc = dgamma.flip(-1).cumsum(-1).flip(-1)                  # the reverse cumulative sum: d/dg
+    return dqc, dkc, dvc, dbc, dgc
 
-    def tokens(xc, heads_summed=False):
-        if heads_summed:  # v-heads -> their q/k head
-            xc = xc.view(NC, Hqk, group, *xc.shape[2:]).sum(2)
-        return from_chunks(xc, grid, B * T)
 
-    dqf, dkf = tokens(dqc, True), tokens(dkc, True)
-    if use_qk_l2norm_in_kernel:
-        dqf, dkf = l2_normalize_backward(q_raw, dqf), l2_normalize_backward(k_raw, dkf)
-    dh0 = None
-    if initial_state is not None:
-        dh0 = (dS.transpose(-1, -2) if state_v_first else dS).contiguous().to(initial_state.dtype)
-    return GDNGradients(
-        dq=dqf.view(B, T, Hqk, K).to(q.dtype), dk=dkf.view(B, T, Hqk, K).to(k.dtype),
-        dv=tokens(dvc).view(B, T, Hv, V).to(v.dtype),
-        dg=tokens(dgc).view(B, T, Hv).to(torch.promote_types(dt, torch.float32)),
-        dbeta=tokens(dbc).view(B, T, Hv).to(beta.dtype), dh0=dh0)
+def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, kf, group: int):
+    """What the chain kernels walk: each sequence whole, or, with the forward call's warm-up tables
+    (cp) where a sequence of this call can be long enough to split, the forward's segments with the
+    guard's per-chunk input (chain_segments.window_log_decay, from |k|^2 of the keys the kernels see).
+    Returns (ChainSegments, window_log_decay or None)."""
+    from . import chain_segments
+
+    if cp is not None and cp.splits:
+        most = cp.bound(total_rows, grid.num_seqs)
+        if most > grid.num_seqs:
+            key_norms = to_chunks((kf * kf).sum(-1), grid).repeat_interleave(group, dim=1)   # [NC, Hv, C]
+            return (chain_segments.split_sequences(grid.chunk_offsets, cp.segment_chunks, most, cp.warmup, cp.log_eps),
+                    chain_segments.window_log_decay(gamma_last, bc, key_norms))
+    return chain_segments.whole_sequences(grid.chunk_offsets), None
 
 
 def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None):

@@ -85,9 +85,9 @@ def run(args) -> int:
     host = m.host_extension
     print(f"  C++ host path: {host.so} (torch {host.torch}, {host.python_abi})" if host is not None else
           "  C++ host path: not compiled here (the pack's eager calls take the Python host path)")
-    backward = m.backward
-    print(f"  backward chain kernels: {backward.so}" if backward is not None else
-          "  backward chain kernels: none for these head dims (the backward runs its chains as torch loops)")
+    from .info import print_backward
+
+    print_backward(m)
     return 0
 
 

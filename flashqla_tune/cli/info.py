@@ -155,8 +155,7 @@ def _pack(path: Path, as_json: bool) -> int:
     host = m.host_extension
     print(f"  C++ host path: {host.so} (torch {host.torch}, {host.python_abi})" if host is not None
           else "  C++ host path: none (eager calls take the Python host path)")
-    print(f"  backward chain kernels: {m.backward.so}" if m.backward is not None else
-          f"  backward chain kernels: none ({describe_missing_backward(m)})")
+    print_backward(m)
     cal = info["calibration"]
     if cal is not None:
         st, corpus = cal["settings"], cal["corpus"]
@@ -169,13 +168,27 @@ def _pack(path: Path, as_json: bool) -> int:
     return 1 if info["problems"] else 0
 
 
-def describe_missing_backward(m) -> str:
-    """What a pack without the backward's chain library does on a backward."""
-    from ..backward import chain_kernels
+def print_backward(m) -> None:
+    """The pack's backward kernel libraries, one line per kind (backward.libraries.KINDS): its file,
+    or why it carries none; one line in all where it carries none and these head dims have none."""
+    from ..backward import libraries
 
-    try:
-        chain_kernels.spec_for(m.spec.head_k_dim, m.spec.head_v_dim)
-    except ValueError:
-        return "no chain kernels for these head dims: the backward runs its chains as torch loops"
-    return ("built before packs carried them: the first backward compiles them where nvcc is, else runs torch "
-            "loops; rebuild the pack to ship them")
+    K, V = m.spec.head_k_dim, m.spec.head_v_dim
+    if not m.backward and all(libraries.spec_for(kind, K, V) is None for kind in libraries.KINDS):
+        print(f"  backward kernels: none for K={K}, V={V} (the backward runs in torch)")
+        return
+    print("  backward kernels:")
+    for kind in libraries.KINDS:
+        record = m.backward_library(kind)
+        print(f"    {kind}: {record.so}" if record is not None else
+              f"    {kind}: none ({describe_missing_backward(m, kind)})")
+
+
+def describe_missing_backward(m, kind: str) -> str:
+    """What a pack without the backward's `kind` library (backward.libraries.KINDS) does on a backward."""
+    from ..backward import libraries
+
+    if libraries.spec_for(kind, m.spec.head_k_dim, m.spec.head_v_dim) is None:
+        return f"no {kind} kernels for these head dims: the backward runs that part in torch"
+    return ("the pack was built without them: the first backward compiles them where nvcc is, else runs that "
+            "part in torch; rebuild the pack to ship them")

@@ -1,98 +1,19 @@
-"""The backward's chain kernels build for sm_90a without a GPU, and the Python side around them.
-
-One nvcc build per run (a module fixture, into a temporary kernel cache; the tests that use it
-are marked slow: about 20 s on two cores) serves every check: ptxas reports no spills and no
-serialised wgmma for both directions' kernels, SASS holds the wgmma (HGMMA) and TMA instructions
-each direction's per-chunk GEMMs and loads need, the library speaks the Python mirror's ABI
-(version, argument struct size, embedded spec) when opened through ctypes, a registered library is
-used without a build, and a second lookup hits the cache. Without nvcc only the pure-Python checks
-run.
+"""The Python side of the backward's chain kernels, on the CPU: the template's constants, the specs
+it refuses, where the kernels are used and where the torch loops, the launch's checks, the chunk
+grid and scaling units the kernels take, the fallback without a library. Their build:
+tests/test_backward_kernel_builds.py; their results: tests/test_gpu_backward_chain.py.
 """
 from __future__ import annotations
 
-import ctypes
 
 import pytest
 import torch
 
-from flashqla_tune.backward import chain_kernels, chunked_torch
+from flashqla_tune.backward import chain_kernels, chain_segments, chunked_torch
 from flashqla_tune.backward.chain_kernels import ChainSpec
 
-from toolchain import needs_nvcc
 
 SPEC = ChainSpec()  # what the backward uses at K = V = 128
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chain_cache")
-    return root, chain_kernels.get_chain_library(SPEC, root=root)
-
-
-def _kernels(resources):
-    entries = {name: info for name, info in resources.items() if info.get("entry")}
-    states = [n for n in entries if "ChainDirectionE0" in n]
-    gradients = [n for n in entries if "ChainDirectionE1" in n]
-    assert len(states) == 1 and len(gradients) == 1, sorted(entries)
-    return entries, states[0], gradients[0]
-
-
-@pytest.mark.slow
-@needs_nvcc
-def test_both_directions_build_without_spills(built):
-    _, entry = built
-    entries, states, gradients = _kernels(entry.resources)
-    for name in (states, gradients):
-        info = entries[name]
-        assert info["spill_stores"] == 0 and info["spill_loads"] == 0, (name, info)
-        assert info.get("stack_frame", 0) == 0, (name, info)
-        assert "wgmma_serialized" not in info, (name, info)
-        assert info["registers"] <= 255, (name, info)
-
-
-@pytest.mark.slow
-@needs_nvcc
-def test_sass_runs_the_chunk_gemms_on_wgmma(built):
-    from flashqla_tune import sass
-
-    try:
-        summary = sass.instruction_counts(built[1].so_path)
-    except sass.SassError as exc:
-        pytest.skip(str(exc))
-    _, states, gradients = _kernels(built[1].resources)
-    # kStates: S^T w^T (N = 64, K = 128: 8 k-steps) and Vn^T Kd (N = 128, K = 64: 4); kGradients adds
-    # dO^T (D Q) (4 more).
-    assert summary.count("HGMMA", states) == 8 + 4
-    assert summary.count("HGMMA", gradients) == 8 + 4 + 4
-    assert 0 < summary.count("UTMALDG", states) < summary.count("UTMALDG", gradients)
-
-
-@pytest.mark.slow
-@needs_nvcc
-def test_library_speaks_the_python_abi(built):
-    _, entry = built
-    lib = chain_kernels.ChainLibrary(entry.so_path, SPEC)  # checks version, struct size and spec
-    assert lib._lib.fqt_bwd_chain_args_bytes() == ctypes.sizeof(chain_kernels.ChainArgs)
-    with pytest.raises(chain_kernels.ChainKernelError, match="stale"):
-        chain_kernels.ChainLibrary(entry.so_path, ChainSpec(stages=3))
-
-
-@pytest.mark.slow
-@needs_nvcc
-def test_a_registered_library_is_used_without_a_build(built, monkeypatch):
-    spec = ChainSpec(stages=2, block_v=64)
-    monkeypatch.setattr(chain_kernels, "_libraries", {})
-    lib = chain_kernels.register_library(spec, built[1].so_path)
-    monkeypatch.setattr(chain_kernels, "get_chain_library", lambda *a, **k: pytest.fail("built again"))
-    assert chain_kernels.library(spec) is lib
-
-
-@pytest.mark.slow
-@needs_nvcc
-def test_second_lookup_hits_the_cache(built):
-    root, entry = built
-    again = chain_kernels.get_chain_library(SPEC, root=root)
-    assert again.path == entry.path and again.manifest["so_sha256"] == entry.manifest["so_sha256"]
 
 
 def test_template_only_fixes_constants():
@@ -145,7 +66,7 @@ def test_launch_refuses_tensors_it_cannot_take():
     """Checked on the host before any library is opened: CPU tensors, a wrong operand dtype."""
     w = torch.zeros(2, 3, 64, 128, dtype=torch.float16)
     u = torch.zeros(2, 3, 64, 128)
-    offsets = torch.tensor([0, 2])
+    offsets = chain_segments.whole_sequences(torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="w: expected a contiguous torch.float16 tensor .* on a CUDA device"):
         chain_kernels.chain_states(w, w, u, torch.ones(2, 3), offsets)
     with pytest.raises(ValueError, match="w: expected a contiguous torch.float16"):
@@ -166,7 +87,7 @@ def test_auto_falls_back_to_the_loops_with_one_warning_where_no_library_can_be_h
         raise chain_kernels.ChainKernelError("no nvcc here (test double)")
 
     monkeypatch.setattr(chain_kernels, "library", unavailable)
-    monkeypatch.setattr(chunked_torch, "_CHAIN_FAILURES", {})
+    monkeypatch.setattr(chunked_torch, "_LIBRARY_FAILURES", {})
     with pytest.warns(RuntimeWarning, match="no nvcc here .* torch loops"):
         assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
     assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # remembered: no second try, no warning

@@ -1,0 +1,712 @@
+// Step 3 of the GDN backward on Hopper: the per-chunk gradients, once the chains
+// (gdn_bwd_chain.cuh) have given every chunk's incoming state S_c and outgoing state gradient
+// dS_{c+1}. One CTA of one warp group per (chunk, v-head), no loop over chunks.
+//
+// Per chunk of 64 tokens and v-head (docs/backward.md "What the backward computes"; the torch code
+// of flashqla_tune/backward/chunked_torch.py step 3, per_chunk_gradients, is the specification),
+// with A0 = (I + L)^{-1},
+// Gamma the decay mask, A = Gamma * A0, T = A diag(b), d = e^{gamma}, f = e^{gamma_C - gamma}:
+//
+//   dP  = dO Vn^T          dQK = dP * Gamma       QK = Q K^T     KK = K K^T
+//   dQd = dO S^T           dw  = -dVn S^T         dKd = Vn dS'^T
+//   dT  = dVn V^T + (dw K^T) diag(d)              dA  = dT diag(b)
+//   dv  = T^T dVn          dKdd = T^T dw
+//   dL  = strictly_lower(-A0^T (dA * Gamma) A0^T),  dLb = diag(b) dL
+//   dq  = dQK K + diag(d) dQd
+//   dk  = diag(f) dKd + diag(d) dKdd + dLb K + dLb^T K + dQK^T Q
+//   dbeta = colsum(dT * A) + rowsum(dL * KK)
+//   E = (dA * A0 + dP * QK) * Gamma
+//   dgamma = d * (rowsum(dQd * Q) + rowsum(dKdd * K)) + rowsum(E) - colsum(E) - df,
+//            df = f * rowsum(dKd * K);  dgamma_C += sum(df) + e^{gamma_C} <dS', S>
+//   dg = the reverse cumulative sum of dgamma over the chunk
+//
+// Operands: every GEMM runs on wgmma with 16-bit operands (Elem) and fp32 accumulation. fp16 is
+// the default: three more mantissa bits than bf16. Rounding every operand to fp16 costs the outputs
+// about 4e-4 of relative L2 against float64 (an fp16-rounding emulation of this kernel's sequence
+// over the GPU tests' cases); bf16 would cost about eight times that, on top of the chains' error
+// and the bf16 rounding of the returned gradients, close to the op's 8e-3 bar on dq, dk, dv.
+// fp16's range is made to hold in two ways, both exact (powers of two):
+//  - the chains' quantities come scaled per (sequence, v-head) as the chains ran on them
+//    (chunked_torch._chain_units): S_c and Vn by unit_u, dS_{c+1} and dVn by unit_d, and dO is
+//    scaled by unit_d here. Every output but dv is bilinear in the d side and the u side, so the
+//    accumulators hold unit_d * unit_u times the true values (dv: unit_d times), whatever the
+//    loss scale, and are divided back only when stored;
+//  - the tiles the chains do not see (Q, K and V, which without the in-kernel l2norm are the raw
+//    inputs, and A0) are each brought to a largest magnitude in [1, 2) by a power of two of their
+//    own (exponent clamped to [-64, 64]); the GEMMs that use them are corrected on the fp32
+//    accumulator, between GEMMs where one accumulator sums terms of different scales.
+// The operands made from accumulators (dQK, dw, X = dA * Gamma, A0^T X, dLb: registers or tiles)
+// are in those units, products of operands of magnitude near 1, as the chains' own register
+// operands are (below 4 in the emulation above, fp16 holds 65504). Whatever exceeds fp16 anyway
+// rounds to infinity and shows in the outputs as non-finite, never as a finite wrong value.
+//
+// Shared memory holds every operand as a 16-bit tile in one physical form, row-major with the
+// 128-byte swizzle (GMMA K-major atoms: rows x columns, columns contiguous); the transposed uses
+// (A^T as an A operand, an MN-major B operand) are views of the same bytes. fp32 inputs are read
+// once from global memory by all 128 threads, scaled, rounded and stored into their tile; the
+// CTA's per-row sums stay in the registers of the quad that owns the row, its per-column sums go
+// to one row of shared memory per warp, added in a fixed order at the end: no atomics, so a
+// chunk's gradients are the same bits from run to run and however the batch around it is made.
+#pragma once
+#include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
+#include <stdint.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+
+#include "gdn_bwd_chain.cuh"  // chain_operand: an accumulator into the next wgmma's A fragment
+#include "gdn_sequences.cuh"  // kChunk
+#include "gdn_wgmma.cuh"
+
+namespace fqt {
+
+using namespace cute;
+
+// The CTA is one warp group; its four warps hold 16 rows each of every (64, N) accumulator.
+constexpr int kChunkGradWarps = 4;
+
+template <class Cfg>
+struct ChunkGradSharedStorage;
+
+template <class Elem_, int HeadK_, int HeadV_>
+struct ChunkGradConfig {
+  using Elem = Elem_;
+  static constexpr int HeadK = HeadK_, HeadV = HeadV_;
+  static_assert(sizeof(Elem) == 2, "the wgmma operands are 16-bit (fp16 or bf16)");
+  static_assert(HeadK % 64 == 0 && HeadK <= 128 && HeadV % 64 == 0 && HeadV <= 128,
+                "K and V are 64 or 128: whole swizzle atoms, and 64 x K and 64 x V fp32 accumulators "
+                "in one warp group's registers");
+  static constexpr int Threads = 32 * kChunkGradWarps;  // one warp group: wgmma M = 64 = the chunk's tokens
+
+  using C64 = Int<kChunk>;
+
+  // A physical (rows, cols) tile, cols contiguous, and its transposed (cols, rows) view.
+  template <int R, int C>
+  using Tile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<R>, Int<C>>{}));
+  template <int R, int C>
+  using TileT = decltype(composition(Tile<R, C>{}, make_layout(Shape<Int<C>, Int<R>>{}, GenRowMajor{})));
+
+  // (64, N) += (64, Kd) (N, Kd)^T, both operands in shared memory.
+  template <int N, int Kd, GMMA::Major MA, GMMA::Major MB>
+  using MmaSS = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Elem, Elem, float, Shape<C64, Int<N>, Int<Kd>>, MA, MB>()));
+  // The same with A from registers (K-major).
+  template <int N, int Kd, GMMA::Major MB>
+  using MmaRS = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Elem, Elem, float, Shape<C64, Int<N>, Int<Kd>>, GMMA::Major::K, MB>()));
+
+  static constexpr auto KM = GMMA::Major::K;
+  static constexpr auto MN = GMMA::Major::MN;
+  using MmaTokTokK = MmaSS<kChunk, HeadK, KM, KM>;   // Q K^T, K K^T: (t, s) over k
+  using MmaTokTokV = MmaSS<kChunk, HeadV, KM, KM>;   // dO Vn^T, dVn V^T: (t, s) over v
+  using MmaTokKV = MmaSS<HeadK, HeadV, KM, KM>;      // dO S^T, dVn S^T, Vn dS'^T: (t, k) over v
+  using MmaTokKTok = MmaSS<HeadK, kChunk, MN, MN>;   // T^T dw, dLb^T K, dQK^T Q: (s, k) over t
+  using MmaTokVTok = MmaSS<HeadV, kChunk, MN, MN>;   // T^T dVn: (s, v) over t
+  using MmaTokTokTok = MmaSS<kChunk, kChunk, MN, MN>;  // A0^T X: (i, m) over l
+  using MmaRegTokK = MmaRS<kChunk, HeadK, KM>;       // dw K^T: (t, s) over k
+  using MmaRegKTok = MmaRS<HeadK, kChunk, MN>;       // dQK K, dLb K: (t, k) over s
+  using MmaRegTokTok = MmaRS<kChunk, kChunk, KM>;    // (A0^T X) A0^T: (i, j) over m
+
+  using SharedStorage = ChunkGradSharedStorage<ChunkGradConfig>;
+  static constexpr int SmemBytes = int(sizeof(SharedStorage));
+};
+
+// Where a strided per-chunk input keeps (chunk, head, row): element strides, columns contiguous.
+// The batched backward's inputs are views of token rows ([chunks, 64, H, D] in memory), read in
+// place.
+struct ChunkStrides {
+  int64_t chunk, head, row;
+  __device__ __forceinline__ int64_t at(int64_t c, int64_t h) const { return c * chunk + h * head; }
+};
+
+// The kernel's parameters: per-chunk tensors in the batched backward's chunk layout, fp32; the
+// chains' results and A0 contiguous, indexed by tile = chunk * Hv + v-head; q, k (per q/k head), v,
+// dO, beta and gamma through their strides.
+template <class Cfg>
+struct ChunkGradParams {
+  const float* q;       // [chunks, Hqk, 64, K] (after the l2norm when the op applies it)
+  const float* k;       // [chunks, Hqk, 64, K]
+  const float* v;       // [chunks, Hv, 64, V]
+  const float* dout;    // scale dO [chunks, Hv, 64, V]
+  const float* beta;    // [chunks, Hv, 64]
+  const float* gamma;   // in-chunk cumulative gate [chunks, Hv, 64]
+  ChunkStrides q_strides, k_strides, v_strides, dout_strides, beta_strides, gamma_strides;
+  const float* a0;      // (I + strictly_lower(diag(b) K K^T))^{-1} [chunks, Hv, 64, 64]
+  const float* state;   // unit_u S_c [chunks, Hv, K, V]
+  const float* dstate;  // unit_d dS_{c+1} [chunks, Hv, K, V]
+  const float* vn;      // unit_u Vn [chunks, Hv, 64, V]
+  const float* dvn;     // unit_d dVn [chunks, Hv, 64, V]
+  const float* unit_u;  // [chunks, Hv]
+  const float* unit_d;  // [chunks, Hv]
+  float* dq;            // [chunks, Hv, 64, K]
+  float* dk;            // [chunks, Hv, 64, K]
+  float* dv;            // [chunks, Hv, 64, V]
+  float* dbeta;         // [chunks, Hv, 64]
+  float* dg;            // [chunks, Hv, 64], the reverse cumulative sum applied
+  int64_t num_chunks;
+  int32_t num_heads;     // Hv
+  int32_t num_qk_heads;  // Hqk, dividing Hv
+};
+
+template <class Cfg>
+struct alignas(1024) ChunkGradSharedStorage {
+  using Elem = typename Cfg::Elem;
+  static constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk;
+  cute::array_aligned<Elem, C * K, 1024> q, k, dw;
+  cute::array_aligned<Elem, C * V, 1024> v, dout, vn, dvn;
+  // S_c; once dw is computed (its last reader), X = dA * Gamma and dLb in its first 2 x 64 x 64
+  // where they fit (not at K = V = 64: there they have their own)
+  cute::array_aligned<Elem, K * V, 1024> state;
+  cute::array_aligned<Elem, K * V, 1024> dstate;
+  cute::array_aligned<Elem, C * C, 1024> a0, t, td, dqk;  // A0, T, T diag(d), dQK (all (t, s))
+  float gamma[C], beta[C];
+  // per warp (summed in a fixed order at the end, so the gradients are deterministic): sums over
+  // rows of the terms of dgamma that are column sums, and of dbeta
+  float col_gamma[kChunkGradWarps][C];
+  float col_beta[kChunkGradWarps][C];
+  float row_gamma[C], row_beta[C];
+  float reduce[4];
+  float tail;          // sum(df) + e^{gamma_C} <dS', S>, added to dgamma of the chunk's last slot
+  static constexpr bool kScratchInState = 2 * C * C <= K * V;
+  cute::array_aligned<Elem, kScratchInState ? 8 : 2 * C * C, 1024> scratch_own;
+  // X, then dLb C * C further
+  __device__ __forceinline__ Elem* scratch() { return kScratchInState ? state.data() : scratch_own.data(); }
+};
+
+// ---------------------------------------------------------------- CTA-wide helpers
+
+// The largest |x| (op = max) or the sum (op = sum) of every thread's `x`, returned to all threads.
+template <bool Max>
+__device__ __forceinline__ float cta_reduce(float x, float* scratch) {
+  CUTE_UNROLL
+  for (int o = 16; o > 0; o >>= 1) {
+    const float y = __shfl_xor_sync(0xffffffffu, x, o);
+    x = Max ? fmaxf(x, y) : x + y;
+  }
+  __syncthreads();  // the previous reduction's readers are done with scratch
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  return Max ? fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]))
+             : (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
+}
+
+// The power of two that takes `amax` into [1, 2) (exponent clamped to [-64, 64]); 1 where amax is
+// zero or not finite (a non-finite element then stays non-finite in its products).
+__device__ __forceinline__ float unit_scale(float amax) {
+  if (!(amax > 0.f) || !isfinite(amax)) return 1.f;
+  const int e = min(max(ilogbf(amax), -64), 64);
+  return ldexpf(1.f, -e);
+}
+
+// Element (r, c) of a Cfg::Tile<R, C> at `base` (1024-byte aligned), as CuTe's swizzled layout
+// places it: 64-column atoms of R rows, 64 elements a row, and the 128-byte swizzle XORs the
+// 16-byte piece's index within the row with the row's index mod 8. Written out so that the address
+// of a thread's accumulator elements costs a few integer operations on 32-bit offsets
+// (tests/test_backward_chunk_build.py checks it against the CuTe layout).
+template <int R>
+__host__ __device__ __forceinline__ int tile_offset(int r, int c) {
+  static_assert(R % 8 == 0, "whole swizzle atoms of 8 rows");
+  return ((c >> 6) * (R * 64) + r * 64 + (c & 63)) ^ ((r & 7) << 3);
+}
+
+// The offsets in a Tile<R, .> of one thread's accumulator elements. The wgmma accumulator puts a
+// thread's elements at rows r0 + 8 i and columns c0 + 8 j + b, c0 < 8 and b < 2 (see below), so
+// every element has the swizzle's row term r0 mod 8 of the thread's first element (r0, c0) and
+// differs from it by constants but for the 16-byte piece index j mod 8 that the swizzle XORs.
+template <int R>
+struct AccTileOffsets {
+  int r0, c0, base, x8;
+  template <class Crd>
+  __host__ __device__ __forceinline__ explicit AccTileOffsets(const Crd& crd)
+      : r0(get<0>(crd(0))), c0(get<1>(crd(0))), base(r0 * 64 + c0), x8((r0 & 7) << 3) {}
+  // tile_offset<R>(r, c) for the element (r, c) = (r0 + dr, c0 + dc); dr % 8 == 0
+  __host__ __device__ __forceinline__ int operator()(int r, int c) const {
+    const int dr = r - r0, dc = c - c0;
+    return base + (dc >> 6) * (R * 64) + dr * 64 + (dc & 7) + ((((dc >> 3) & 7) << 3) ^ x8);
+  }
+};
+
+// Four fp32 values times `scale` into elements (r, c..c+3) of a 16-bit tile (c % 4 == 0: one
+// 8-byte piece of a 16-byte swizzle unit).
+template <class STile>
+__device__ __forceinline__ void store4(STile& s, int r, int c, float4 x, float scale) {
+  using Elem = typename STile::value_type;
+  uint2 word{pack2<Elem>(scale * x.x, scale * x.y), pack2<Elem>(scale * x.z, scale * x.w)};
+  *reinterpret_cast<uint2*>(&s(r, c)) = word;
+}
+
+// Ask L2 for the CTA's inputs ahead of the loads that read them, all at once instead of tile after
+// tile: a contiguous range (`bytes` a multiple of 16, 16-byte aligned; one thread, a uniform
+// address), or what holds a thread's own address.
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void prefetch_at_l2(const void* src) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(src) : "memory");
+}
+
+// A strided fp32 [64, D] tile (rows `row_stride` elements apart), one prefetch per 32-byte sector
+// (whether a prefetch brings more is not specified), spread over the 128 threads.
+template <int D>
+__device__ __forceinline__ void prefetch_rows_l2(const float* g, int64_t row_stride) {
+  constexpr int kSectorsPerRow = D * int(sizeof(float)) / 32;
+  static_assert(kSectorsPerRow * 32 == D * int(sizeof(float)) && kChunk * kSectorsPerRow % 128 == 0,
+                "rows of whole sectors, as many for every thread");
+  CUTE_UNROLL
+  for (int j = 0; j < kChunk * kSectorsPerRow / 128; ++j) {
+    const int i = threadIdx.x + 128 * j;
+    prefetch_at_l2(g + (i / kSectorsPerRow) * row_stride + (i % kSectorsPerRow) * 8);
+  }
+}
+
+// Element (r, c..c+3) of an fp32 tile of rows `row_stride` elements apart (a multiple of 4, the
+// base 16-byte aligned: the host checks), as one float4.
+__device__ __forceinline__ float4 load4(const float* g, int64_t row_stride, int r, int c) {
+  return __ldg(reinterpret_cast<const float4*>(g + r * row_stride + c));
+}
+
+// An fp32 [R, C] tile from global memory into its 16-bit shared tile, times `scale`.
+template <int R, int C, class STile>
+__device__ __forceinline__ void stage_scaled(STile s, const float* g, int64_t row_stride, float scale) {
+  constexpr int kPerThread = R * C / 4 / 128;
+  static_assert(kPerThread * 4 * 128 == R * C, "a tile is whole float4 rows of the 128 threads");
+#pragma unroll 8
+  for (int j = 0; j < kPerThread; ++j) {
+    const int idx = threadIdx.x + 128 * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
+    store4(s, r, c, load4(g, row_stride, r, c), scale);
+  }
+}
+
+// The same for a tile that brings its own scale: returns it (unit_scale of the tile's largest |x|).
+template <int R, int C, class STile>
+__device__ __forceinline__ float stage_normalised(STile s, const float* g, int64_t row_stride, float* scratch) {
+  constexpr int kPerThread = R * C / 4 / 128;
+  static_assert(kPerThread * 4 * 128 == R * C, "a tile is whole float4 rows of the 128 threads");
+  float4 x[kPerThread];
+  float amax = 0.f;
+  CUTE_UNROLL
+  for (int j = 0; j < kPerThread; ++j) {
+    const int idx = threadIdx.x + 128 * j;
+    x[j] = load4(g, row_stride, idx / (C / 4), idx % (C / 4) * 4);
+    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[j].x), fabsf(x[j].y)), fmaxf(fabsf(x[j].z), fabsf(x[j].w))));
+  }
+  const float scale = unit_scale(cta_reduce<true>(amax, scratch));
+  CUTE_UNROLL
+  for (int j = 0; j < kPerThread; ++j) {
+    const int idx = threadIdx.x + 128 * j;
+    store4(s, idx / (C / 4), idx % (C / 4) * 4, x[j], scale);
+  }
+  return scale;
+}
+
+// ---------------------------------------------------------------- accumulator helpers
+//
+// The SM90 wgmma accumulator of a (64, N) tile: warp w holds rows 16 w .. 16 w + 15, the quad of
+// lanes 4 i .. 4 i + 3 rows 16 w + i and 16 w + i + 8, each lane of the quad its own columns. So a
+// row's sum is the quad's (two lane shuffles) and a column's sum the eight quads' of every warp.
+
+// Adds each of this thread's two rows' sums of value(e) over its elements e into row[2] (row 0:
+// the thread's first row, row 1: eight below), summed over the quad.
+template <class Crd, class F>
+__device__ __forceinline__ void add_row_sums(const Crd& crd, F value, float (&row)[2]) {
+  float part[2] = {0.f, 0.f};
+  const int r0 = get<0>(crd(0));
+  CUTE_UNROLL
+  for (int e = 0; e < size(crd); ++e) part[get<0>(crd(e)) == r0 ? 0 : 1] += value(e);
+  CUTE_UNROLL
+  for (int s = 0; s < 2; ++s) {
+    part[s] += __shfl_xor_sync(0xffffffffu, part[s], 1);
+    part[s] += __shfl_xor_sync(0xffffffffu, part[s], 2);
+    row[s] += part[s];
+  }
+}
+
+// Adds the column sums over this warp's rows of value(e) into its own col[warp][64] in shared
+// memory (lanes 0..3 hold distinct columns, so plain adds: no atomics, whose order would vary).
+template <class Crd, class F>
+__device__ __forceinline__ void add_col_sums(const Crd& crd, F value, float (*col)[kChunk]) {
+  const int r0 = get<0>(crd(0));
+  // an element and the one eight rows below it share the column: summed in the thread first
+  CUTE_UNROLL
+  for (int e = 0; e < size(crd); ++e) {
+    if (get<0>(crd(e)) != r0) continue;
+    float x = value(e);
+    CUTE_UNROLL
+    for (int e2 = 0; e2 < size(crd); ++e2)
+      if (get<0>(crd(e2)) != r0 && get<1>(crd(e2)) == get<1>(crd(e))) x += value(e2);
+    x += __shfl_xor_sync(0xffffffffu, x, 4);
+    x += __shfl_xor_sync(0xffffffffu, x, 8);
+    x += __shfl_xor_sync(0xffffffffu, x, 16);
+    if (threadIdx.x % 32 < 4) col[threadIdx.x / 32][get<1>(crd(e))] += x;
+  }
+}
+
+// An accumulator into a 16-bit Tile<R, .> of the same (rows, cols) at `base` (pairs of
+// neighbouring columns).
+template <int R, class Acc, class Crd, class Elem>
+__device__ __forceinline__ void store_tile(const Acc& acc, const Crd& crd, Elem* base) {
+  const AccTileOffsets<R> at(crd);
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2)
+    *reinterpret_cast<uint32_t*>(base + at(get<0>(crd(e)), get<1>(crd(e)))) =
+        pack2<Elem>(acc(e), acc(e + 1));
+}
+
+// An accumulator times `scale` into rows of C fp32 values at out (pairs of neighbouring columns).
+template <int C, class Acc, class Crd>
+__device__ __forceinline__ void store_global(const Acc& acc, const Crd& crd, float* out, float scale) {
+  const int r0 = get<0>(crd(0)), c0 = get<1>(crd(0));
+  float* base = out + r0 * C + c0;  // the elements' offsets from the first are constants
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2)
+    *reinterpret_cast<float2*>(base + (get<0>(crd(e)) - r0) * C + (get<1>(crd(e)) - c0)) =
+        make_float2(scale * acc(e), scale * acc(e + 1));
+}
+
+template <class Acc>
+__device__ __forceinline__ void scale_acc(Acc& acc, float s) {
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); ++e) acc(e) *= s;
+}
+
+// acc (+)= A B with both operands in shared memory (A: (64, Kd) view, B: (N, Kd) view); waits.
+template <class Mma, class SA, class SB, class Acc>
+__device__ __forceinline__ void gemm_ss(const SA& sA, const SB& sB, Acc& acc, bool zero_init) {
+  Mma mma;
+  auto thr = mma.get_thread_slice(threadIdx.x);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  wgmma_gemm(mma, thr.partition_fragment_A(sA), thr.partition_fragment_B(sB), acc, zero_init);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+// acc (+)= A B with A a register fragment; waits.
+template <class Mma, class FA, class SB, class Acc>
+__device__ __forceinline__ void gemm_rs(FA& fA, const SB& sB, Acc& acc, bool zero_init) {
+  Mma mma;
+  auto thr = mma.get_thread_slice(threadIdx.x);
+  warpgroup_fence_operand(fA);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  wgmma_gemm(mma, fA, thr.partition_fragment_B(sB), acc, zero_init);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+}
+
+template <class Mma, int N>
+__device__ __forceinline__ auto make_acc() {
+  return partition_fragment_C(Mma{}, Shape<Int<kChunk>, Int<N>>{});
+}
+template <class Mma, int N>
+__device__ __forceinline__ auto acc_coords() {
+  return Mma{}.get_thread_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<N>>{}));
+}
+// The A fragment of an rs wgmma of (64, Kd) operands.
+template <class Mma, int Kd, class Elem>
+__device__ __forceinline__ auto make_operand() {
+  return make_tensor<Elem>(
+      shape(Mma{}.get_thread_slice(threadIdx.x).partition_A(make_identity_tensor(Shape<Int<kChunk>, Int<Kd>>{}))));
+}
+
+// After the threads' generic-proxy stores into operand tiles: visible to the next wgmma.
+__device__ __forceinline__ void operands_ready() {
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------- the kernel
+
+// Grid: x = chunk * Hv + v-head. Block: 128 threads.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::Threads, 1)
+    gdn_bwd_chunk_kernel(CUTE_GRID_CONSTANT const ChunkGradParams<Cfg> p) {
+  using Elem = typename Cfg::Elem;
+  constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  const int64_t tile = blockIdx.x;
+  const int hv = int(tile % p.num_heads);
+  const int64_t chunk = tile / p.num_heads;
+  const int hq = hv / (p.num_heads / p.num_qk_heads);  // the v-head's q/k head
+  const int tid = threadIdx.x;
+
+  using TileCK = typename Cfg::template Tile<C, K>;
+  using TileCV = typename Cfg::template Tile<C, V>;
+  using TileKV = typename Cfg::template Tile<K, V>;
+  using TileCC = typename Cfg::template Tile<C, C>;
+  using TileCKt = typename Cfg::template TileT<C, K>;
+  using TileCVt = typename Cfg::template TileT<C, V>;
+  using TileCCt = typename Cfg::template TileT<C, C>;
+  auto tile_of = [](Elem* ptr, auto layout) { return make_tensor(make_smem_ptr(ptr), layout); };
+  Tensor sQ = tile_of(ss.q.data(), TileCK{});
+  Tensor sQt = tile_of(ss.q.data(), TileCKt{});
+  Tensor sK = tile_of(ss.k.data(), TileCK{});
+  Tensor sKt = tile_of(ss.k.data(), TileCKt{});
+  Tensor sDWt = tile_of(ss.dw.data(), TileCKt{});
+  Tensor sV = tile_of(ss.v.data(), TileCV{});
+  Tensor sDO = tile_of(ss.dout.data(), TileCV{});
+  Tensor sVn = tile_of(ss.vn.data(), TileCV{});
+  Tensor sDVn = tile_of(ss.dvn.data(), TileCV{});
+  Tensor sDVnt = tile_of(ss.dvn.data(), TileCVt{});
+  Tensor sS = tile_of(ss.state.data(), TileKV{});
+  Tensor sDS = tile_of(ss.dstate.data(), TileKV{});
+  Tensor sA0 = tile_of(ss.a0.data(), TileCC{});
+  Tensor sA0t = tile_of(ss.a0.data(), TileCCt{});
+  Tensor sTt = tile_of(ss.t.data(), TileCCt{});
+  Tensor sTdt = tile_of(ss.td.data(), TileCCt{});
+  Tensor sT = tile_of(ss.t.data(), TileCC{});
+  Tensor sTd = tile_of(ss.td.data(), TileCC{});
+  Tensor sDQKt = tile_of(ss.dqk.data(), TileCCt{});
+  Tensor sXt = tile_of(ss.scratch(), TileCCt{});
+  Tensor sDLbt = tile_of(ss.scratch() + C * C, TileCCt{});
+
+  // ---- every input tile into L2 (the strided ones line by line, the contiguous ones whole)
+  if (tid == 0) {
+    prefetch_l2(p.a0 + tile * C * C, C * C * sizeof(float));
+    prefetch_l2(p.vn + tile * C * V, C * V * sizeof(float));
+    prefetch_l2(p.dvn + tile * C * V, C * V * sizeof(float));
+    prefetch_l2(p.state + tile * K * V, K * V * sizeof(float));
+    prefetch_l2(p.dstate + tile * K * V, K * V * sizeof(float));
+  }
+  prefetch_rows_l2<K>(p.q + p.q_strides.at(chunk, hq), p.q_strides.row);
+  prefetch_rows_l2<K>(p.k + p.k_strides.at(chunk, hq), p.k_strides.row);
+  prefetch_rows_l2<V>(p.v + p.v_strides.at(chunk, hv), p.v_strides.row);
+  prefetch_rows_l2<V>(p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row);
+
+  // ---- gates, beta and the per-column sums
+  if (tid < C) {
+    ss.gamma[tid] = p.gamma[p.gamma_strides.at(chunk, hv) + tid * p.gamma_strides.row];
+    CUTE_UNROLL
+    for (int w = 0; w < kChunkGradWarps; ++w) ss.col_gamma[w][tid] = ss.col_beta[w][tid] = 0.f;
+  } else {
+    ss.beta[tid - C] = p.beta[p.beta_strides.at(chunk, hv) + (tid - C) * p.beta_strides.row];
+  }
+  __syncthreads();
+  const float* gam = ss.gamma;
+  const float* bet = ss.beta;
+  const float gamma_last = gam[C - 1];
+  // Gamma_ij = e^{gamma_i - gamma_j} for i >= j, else 0
+  auto decay = [&](int i, int j) { return i >= j ? __expf(gam[i] - gam[j]) : 0.f; };
+
+  // ---- the operand tiles
+  const float unit_u = p.unit_u[tile], unit_d = p.unit_d[tile];
+  const float inv_du = 1.f / (unit_u * unit_d);  // accumulators of d x u products -> true values
+  float s_a0;                                     // A0's own scale
+  {
+    // A0, T = Gamma A0 diag(b) and T diag(d), all scaled by s_a0
+    constexpr int kPerThread = C * C / 4 / 128;
+    const float4* g4 = reinterpret_cast<const float4*>(p.a0 + tile * C * C);
+    float4 x[kPerThread];
+    float amax = 0.f;
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      x[j] = __ldg(g4 + tid + 128 * j);
+      amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[j].x), fabsf(x[j].y)), fmaxf(fabsf(x[j].z), fabsf(x[j].w))));
+    }
+    s_a0 = unit_scale(cta_reduce<true>(amax, ss.reduce));
+    CUTE_UNROLL
+    for (int j = 0; j < kPerThread; ++j) {
+      const int idx = tid + 128 * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
+      store4(sA0, r, c, x[j], s_a0);
+      const float4 tm = make_float4(decay(r, c) * x[j].x * bet[c], decay(r, c + 1) * x[j].y * bet[c + 1],
+                                    decay(r, c + 2) * x[j].z * bet[c + 2], decay(r, c + 3) * x[j].w * bet[c + 3]);
+      store4(sT, r, c, tm, s_a0);
+      store4(sTd, r, c,
+             make_float4(tm.x * __expf(gam[c]), tm.y * __expf(gam[c + 1]), tm.z * __expf(gam[c + 2]),
+                         tm.w * __expf(gam[c + 3])),
+             s_a0);
+    }
+  }
+  const float s_q = stage_normalised<C, K>(sQ, p.q + p.q_strides.at(chunk, hq), p.q_strides.row, ss.reduce);
+  const float s_k = stage_normalised<C, K>(sK, p.k + p.k_strides.at(chunk, hq), p.k_strides.row, ss.reduce);
+  const float s_v = stage_normalised<C, V>(sV, p.v + p.v_strides.at(chunk, hv), p.v_strides.row, ss.reduce);
+  stage_scaled<C, V>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d);
+  stage_scaled<C, V>(sVn, p.vn + tile * C * V, V, 1.f);
+  stage_scaled<C, V>(sDVn, p.dvn + tile * C * V, V, 1.f);
+  {
+    // S_c and dS_{c+1}, and their inner product (d x u units) for the gradient of e^{gamma_C}
+    constexpr int kPerThread = K * V / 4 / 128;
+    const float4* s4 = reinterpret_cast<const float4*>(p.state + tile * K * V);
+    const float4* d4 = reinterpret_cast<const float4*>(p.dstate + tile * K * V);
+    float dot = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < kPerThread; ++j) {
+      const int idx = tid + 128 * j, r = idx / (V / 4), c = idx % (V / 4) * 4;
+      const float4 a = __ldg(s4 + idx), b = __ldg(d4 + idx);
+      dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+      store4(sS, r, c, a, 1.f);
+      store4(sDS, r, c, b, 1.f);
+    }
+    dot = cta_reduce<false>(dot, ss.reduce);
+    if (tid == 0) ss.tail = __expf(gamma_last) * dot;  // the df terms are added in step 7
+  }
+  operands_ready();
+
+  float row_g[2] = {0.f, 0.f}, row_b[2] = {0.f, 0.f};  // this thread's two rows' sums
+  const int64_t out_ck = tile * C * K, out_cv = tile * C * V;
+
+  // ---- 1. dP = dO Vn^T, dQK = dP * Gamma; QK; E's dP * QK * Gamma terms
+  Tensor crdCC = acc_coords<typename Cfg::MmaTokTokV, C>();
+  const AccTileOffsets<C> atCC(crdCC);
+  auto fQK = make_operand<typename Cfg::MmaRegKTok, C, Elem>();
+  {
+    auto accP = make_acc<typename Cfg::MmaTokTokV, C>();
+    gemm_ss<typename Cfg::MmaTokTokV>(sDO, sVn, accP, true);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accP); ++e) accP(e) *= decay(get<0>(crdCC(e)), get<1>(crdCC(e)));
+    auto accQK = make_acc<typename Cfg::MmaTokTokK, C>();
+    gemm_ss<typename Cfg::MmaTokTokK>(sQ, sK, accQK, true);
+    const float inv_qk = 1.f / (s_q * s_k);
+    auto e1 = [&](int e) { return accP(e) * accQK(e) * inv_qk; };
+    add_row_sums(crdCC, e1, row_g);
+    add_col_sums(crdCC, e1, ss.col_gamma);
+    store_tile<C>(accP, crdCC, ss.dqk.data());
+    chain_operand(fQK, accP);
+  }
+
+  // ---- 2. dq = dQK K + diag(d) dO S^T, and d * rowsum(dQd * Q)
+  Tensor crdCK = acc_coords<typename Cfg::MmaTokKV, K>();
+  const AccTileOffsets<C> atCK(crdCK);
+  {
+    auto accQ = make_acc<typename Cfg::MmaTokKV, K>();
+    gemm_ss<typename Cfg::MmaTokKV>(sDO, sS, accQ, true);
+    const float inv_q = 1.f / s_q;
+    add_row_sums(crdCK, [&](int e) {
+      const int r = get<0>(crdCK(e));
+      return __expf(gam[r]) * accQ(e) * (float(ss.q[atCK(r, get<1>(crdCK(e)))]) * inv_q);
+    }, row_g);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accQ); ++e) accQ(e) *= __expf(gam[get<0>(crdCK(e))]) * s_k;
+    gemm_rs<typename Cfg::MmaRegKTok>(fQK, sKt, accQ, false);
+    store_global<K>(accQ, crdCK, p.dq + out_ck, inv_du / s_k);
+  }
+
+  // ---- 3. dw = -dVn S^T (the state's last reader)
+  auto fW = make_operand<typename Cfg::MmaRegTokK, K, Elem>();
+  {
+    auto accW = make_acc<typename Cfg::MmaTokKV, K>();
+    gemm_ss<typename Cfg::MmaTokKV>(sDVn, sS, accW, true);
+    scale_acc(accW, -1.f);
+    store_tile<C>(accW, crdCK, ss.dw.data());
+    chain_operand(fW, accW);
+  }
+
+  // ---- 4. dT = (dw K^T) diag(d) + dVn V^T; dA = dT diag(b); dbeta's and E's dA terms; X = dA * Gamma
+  {
+    auto accT = make_acc<typename Cfg::MmaRegTokK, C>();
+    gemm_rs<typename Cfg::MmaRegTokK>(fW, sK, accT, true);
+    // to the scale of dVn (s_v V)^T, which is s_v / unit_u times the d x u units
+    const float to_v = s_v / (unit_u * s_k);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accT); ++e) accT(e) *= __expf(gam[get<1>(crdCC(e))]) * to_v;
+    gemm_ss<typename Cfg::MmaTokTokV>(sDVn, sV, accT, false);
+    scale_acc(accT, unit_u / s_v);
+    const float inv_a0 = 1.f / s_a0;
+    __syncthreads();  // every thread's dw GEMM has read the state's tile, which X and dLb may overwrite
+    // A = Gamma * A0 at each element; E's term dA * A0 * Gamma = dA * A
+    auto a_at = [&](int e) {
+      const int r = get<0>(crdCC(e)), c = get<1>(crdCC(e));
+      return decay(r, c) * float(ss.a0[atCC(r, c)]) * inv_a0;
+    };
+    add_col_sums(crdCC, [&](int e) { return accT(e) * a_at(e); }, ss.col_beta);
+    auto e2 = [&](int e) { return accT(e) * bet[get<1>(crdCC(e))] * a_at(e); };
+    add_row_sums(crdCC, e2, row_g);
+    add_col_sums(crdCC, e2, ss.col_gamma);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accT); ++e) {
+      const int r = get<0>(crdCC(e)), c = get<1>(crdCC(e));
+      accT(e) *= bet[c] * decay(r, c);
+    }
+    store_tile<C>(accT, crdCC, ss.scratch());
+  }
+  operands_ready();  // X, dw
+
+  // ---- 5. dv = T^T dVn
+  Tensor crdCV = acc_coords<typename Cfg::MmaTokVTok, V>();
+  {
+    auto accV = make_acc<typename Cfg::MmaTokVTok, V>();
+    gemm_ss<typename Cfg::MmaTokVTok>(sTt, sDVnt, accV, true);
+    store_global<V>(accV, crdCV, p.dv + out_cv, 1.f / (s_a0 * unit_d));
+  }
+
+  // ---- 6. dL = strictly_lower(-A0^T X A0^T), dbeta's rowsum(dL * KK), dLb = diag(b) dL
+  auto fL = make_operand<typename Cfg::MmaRegKTok, C, Elem>();
+  {
+    auto accY = make_acc<typename Cfg::MmaTokTokTok, C>();
+    gemm_ss<typename Cfg::MmaTokTokTok>(sA0t, sXt, accY, true);
+    auto fY = make_operand<typename Cfg::MmaRegTokTok, C, Elem>();
+    chain_operand(fY, accY, 1.f / s_a0);
+    auto accL = make_acc<typename Cfg::MmaRegTokTok, C>();
+    gemm_rs<typename Cfg::MmaRegTokTok>(fY, sA0, accL, true);
+    const float neg_inv_a0 = -1.f / s_a0;
+    CUTE_UNROLL
+    for (int e = 0; e < size(accL); ++e)
+      accL(e) = get<0>(crdCC(e)) > get<1>(crdCC(e)) ? neg_inv_a0 * accL(e) : 0.f;
+    auto accKK = make_acc<typename Cfg::MmaTokTokK, C>();
+    gemm_ss<typename Cfg::MmaTokTokK>(sK, sK, accKK, true);
+    const float inv_kk = 1.f / (s_k * s_k);
+    add_row_sums(crdCC, [&](int e) { return accL(e) * accKK(e) * inv_kk; }, row_b);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accL); ++e) accL(e) *= bet[get<0>(crdCC(e))];
+    store_tile<C>(accL, crdCC, ss.scratch() + C * C);
+    chain_operand(fL, accL);
+  }
+  operands_ready();  // dLb
+
+  // ---- 7. dk = diag(f) dKd + diag(d) dKdd + dLb K + dLb^T K + dQK^T Q; the dgamma terms of dKd, dKdd
+  {
+    auto accK = make_acc<typename Cfg::MmaTokKV, K>();
+    gemm_ss<typename Cfg::MmaTokKV>(sVn, sDS, accK, true);
+    CUTE_UNROLL
+    for (int e = 0; e < size(accK); ++e) accK(e) *= __expf(gamma_last - gam[get<0>(crdCK(e))]);
+    const float inv_k = 1.f / s_k;
+    auto times_k = [&](int e) { return accK(e) * (float(ss.k[atCK(get<0>(crdCK(e)), get<1>(crdCK(e)))]) * inv_k); };
+    float df[2] = {0.f, 0.f};
+    add_row_sums(crdCK, times_k, df);
+    scale_acc(accK, s_a0);
+    gemm_ss<typename Cfg::MmaTokKTok>(sTdt, sDWt, accK, false);
+    scale_acc(accK, 1.f / s_a0);
+    // rowsum(acc * K) is now df + d * rowsum(dKdd * K); dgamma takes d * rowsum(dKdd * K) - df
+    float both[2] = {0.f, 0.f};
+    add_row_sums(crdCK, times_k, both);
+    CUTE_UNROLL
+    for (int s = 0; s < 2; ++s) row_g[s] += both[s] - 2.f * df[s];
+    // every lane of a quad holds its rows' df: one lane a quad counts them
+    const float df_sum = cta_reduce<false>(tid % 4 == 0 ? df[0] + df[1] : 0.f, ss.reduce);
+    if (tid == 0) ss.tail += df_sum;
+    scale_acc(accK, s_k);
+    gemm_rs<typename Cfg::MmaRegKTok>(fL, sKt, accK, false);
+    gemm_ss<typename Cfg::MmaTokKTok>(sDLbt, sKt, accK, false);
+    scale_acc(accK, s_q / s_k);
+    gemm_ss<typename Cfg::MmaTokKTok>(sDQKt, sQt, accK, false);
+    store_global<K>(accK, crdCK, p.dk + out_ck, inv_du / s_q);
+  }
+
+  // ---- 8. dbeta, and dg: the reverse cumulative sum of dgamma
+  if (tid % 4 == 0) {
+    const int r0 = get<0>(crdCC(0));
+    ss.row_gamma[r0] = row_g[0];
+    ss.row_gamma[r0 + 8] = row_g[1];
+    ss.row_beta[r0] = row_b[0];
+    ss.row_beta[r0 + 8] = row_b[1];
+  }
+  __syncthreads();
+  auto col_sum = [](const float (*col)[kChunk], int c) {
+    static_assert(kChunkGradWarps == 4, "the warps' column sums in a fixed order");
+    return (col[0][c] + col[1][c]) + (col[2][c] + col[3][c]);
+  };
+  if (tid < C) p.dbeta[tile * C + tid] = (ss.row_beta[tid] + col_sum(ss.col_beta, tid)) * inv_du;
+  if (tid == 0) {
+    float run = 0.f;
+    for (int i = C - 1; i >= 0; --i) {
+      run += ss.row_gamma[i] - col_sum(ss.col_gamma, i) + (i == C - 1 ? ss.tail : 0.f);
+      p.dg[tile * C + i] = run * inv_du;
+    }
+  }
+}
+
+}  // namespace fqt

@@ -1,0 +1,89 @@
+// Host side of the backward's per-chunk gradient kernel (gdn_bwd_chunk.cuh): the extern "C"
+// argument struct that flashqla_tune/backward/chunk_kernels.py mirrors with ctypes, and the launch.
+// Never synchronises; launches on the caller's stream.
+#pragma once
+#include "gdn_bwd_chunk.cuh"
+#include "gdn_kernel_setup.cuh"
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+
+// Bumped whenever FqtBwdChunkArgs or an exported function changes (the Python mirror checks it).
+#define FQT_BWD_CHUNK_ABI_VERSION 1
+
+extern "C" {
+// Every tensor is fp32, on the device, in the chunk layout of the batched backward ([chunks, H, 64,
+// D], pad rows zero); q and k per q/k head, everything else per v-head. q, k, v, dout, beta and
+// gamma are read through their element strides (chunk, head, row; columns contiguous, the row
+// stride a multiple of 4 and the base 16-byte aligned for q, k, v, dout), the rest is contiguous.
+typedef struct FqtBwdChunkArgs {
+  int32_t num_heads;      // Hv
+  int32_t num_qk_heads;   // Hqk, dividing Hv
+  int64_t num_chunks;
+  const float* q;         // [chunks, Hqk, 64, K]
+  const float* k;         // [chunks, Hqk, 64, K]
+  const float* v;         // [chunks, Hv, 64, V]
+  const float* dout;      // scale dO [chunks, Hv, 64, V]
+  const float* beta;      // [chunks, Hv, 64]
+  const float* gamma;     // [chunks, Hv, 64] in-chunk cumulative gate
+  int64_t q_strides[3], k_strides[3], v_strides[3], dout_strides[3], beta_strides[3], gamma_strides[3];
+  const float* a0;        // [chunks, Hv, 64, 64]
+  const float* state;     // unit_u S_c [chunks, Hv, K, V]
+  const float* dstate;    // unit_d dS_{c+1} [chunks, Hv, K, V]
+  const float* vn;        // unit_u Vn [chunks, Hv, 64, V]
+  const float* dvn;       // unit_d dVn [chunks, Hv, 64, V]
+  const float* unit_u;    // [chunks, Hv] powers of two
+  const float* unit_d;    // [chunks, Hv]
+  float* dq;              // [chunks, Hv, 64, K]
+  float* dk;              // [chunks, Hv, 64, K]
+  float* dv;              // [chunks, Hv, 64, V]
+  float* dbeta;           // [chunks, Hv, 64]
+  float* dg;              // [chunks, Hv, 64]
+} FqtBwdChunkArgs;
+}
+
+namespace fqt {
+
+// Checks what the kernel relies on, then launches one CTA per (chunk, v-head).
+template <class Cfg>
+cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
+  static_assert(Cfg::SmemBytes <= 227 * 1024, "the CTA's tiles exceed the 227 KiB of shared memory a CTA can have");
+  if (a == nullptr) return cudaErrorInvalidValue;
+  if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0)
+    return cudaErrorInvalidValue;
+  // the grid's x is chunks * Hv (< 2^31)
+  if (a->num_chunks * a->num_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
+  if (a->num_chunks == 0) return cudaSuccess;
+  const void* inputs[] = {a->q, a->k, a->v, a->dout, a->beta, a->gamma, a->a0, a->state,
+                          a->dstate, a->vn, a->dvn, a->unit_u, a->unit_d};
+  const void* outputs[] = {a->dq, a->dk, a->dv, a->dbeta, a->dg};
+  for (const void* ptr : inputs)
+    if (ptr == nullptr) return cudaErrorInvalidValue;
+  for (const void* ptr : outputs)
+    if (ptr == nullptr) return cudaErrorInvalidValue;
+  // float4 loads of the tiles: 16-byte aligned bases, and strides of whole float4s
+  for (const void* ptr : {a->q, a->k, a->v, a->dout, a->a0, a->state, a->dstate, a->vn, a->dvn})
+    if (reinterpret_cast<uintptr_t>(ptr) % 16) return cudaErrorMisalignedAddress;
+  for (const int64_t* st : {a->q_strides, a->k_strides, a->v_strides, a->dout_strides})
+    for (int i = 0; i < 3; ++i)
+      if (st[i] < 0 || st[i] % 4) return cudaErrorMisalignedAddress;
+  for (const int64_t* st : {a->beta_strides, a->gamma_strides})
+    for (int i = 0; i < 3; ++i)
+      if (st[i] < 0) return cudaErrorInvalidValue;
+  auto strides = [](const int64_t* st) { return ChunkStrides{st[0], st[1], st[2]}; };
+
+  const cudaError_t setup = allow_dynamic_smem_once<gdn_bwd_chunk_kernel<Cfg>>(Cfg::SmemBytes);
+  if (setup != cudaSuccess) return setup;
+
+  ChunkGradParams<Cfg> p{a->q, a->k, a->v, a->dout, a->beta, a->gamma,
+                         strides(a->q_strides), strides(a->k_strides), strides(a->v_strides),
+                         strides(a->dout_strides), strides(a->beta_strides), strides(a->gamma_strides),
+                         a->a0, a->state, a->dstate, a->vn, a->dvn, a->unit_u, a->unit_d,
+                         a->dq, a->dk, a->dv, a->dbeta, a->dg, a->num_chunks, a->num_heads, a->num_qk_heads};
+  const dim3 grid(unsigned(a->num_chunks * a->num_heads));
+  gdn_bwd_chunk_kernel<Cfg><<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace fqt

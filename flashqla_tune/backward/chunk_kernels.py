@@ -1,0 +1,205 @@
+"""The backward's per-chunk gradients on Hopper: csrc/gdn_bwd_chunk.cuh through templates/gdn_bwd_chunk.cu.j2.
+
+Step 3 of chunked_torch's backward as one kernel launch: once the chains (chain_kernels) have given
+every chunk's incoming state S_c and outgoing state gradient dS_{c+1}, `chunk_gradients` computes,
+per (chunk, v-head), dq, dk, dv, dbeta and dg (the reverse cumulative sum over the chunk already
+applied), all per v-head in the padded chunk layout [chunks, Hv, 64, .], fp32, so that the torch
+code after step 3 (back to token rows, the v-heads summed per q/k head, the l2norm backward) stays
+as it is.
+
+Its inputs are the batched backward's fp32 per-chunk tensors: q and k per q/k head (not repeated
+over the v-heads: the kernel reads each v-head's q/k head), v, the scaled dO, beta, the in-chunk
+cumulative gate gamma and A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, and the chains' results as
+the chain kernels return them, still scaled per (sequence, v-head) by chunked_torch._chain_units:
+S_c and Vn by unit_u, dS_{c+1} and dVn by unit_d, with those units per chunk. The kernel rounds
+everything to 16-bit wgmma operands itself (fp16 by default, `OPERAND_DTYPE`), with dO scaled by
+unit_d and q, k, v and A0 each scaled by a power of two of their own tile (csrc/gdn_bwd_chunk.cuh
+says why that holds the range); it accumulates in fp32 and returns true (unscaled) gradients.
+
+A library is built once per ChunkSpec through the kernel cache like the chain libraries (same
+renderer protocol, its own ABI) and opened through ctypes; launches go on the current stream and
+never synchronise.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
+                             OpenedLibrary, check_tensor, ptr, render_template, spec_json, stream_handle)
+
+TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
+ABI_VERSION = 1      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
+
+
+class ChunkKernelError(BackwardKernelError):
+    """The per-chunk gradient kernel cannot be built, loaded or launched here; the message says why.
+    A ChainKernelError, so that whoever falls back from the backward's kernels catches both."""
+
+
+@dataclass(frozen=True)
+class ChunkSpec(LibrarySpec):
+    """What one per-chunk gradient library is compiled for: the operand dtype and the head dims."""
+    operand_dtype: str = "float16"
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+
+    def __post_init__(self) -> None:
+        self._check_operand_dtype()
+        for name in ("head_k_dim", "head_v_dim"):
+            if getattr(self, name) not in (64, 128):
+                raise ValueError(f"ChunkSpec.{name}={getattr(self, name)} must be 64 or 128 (64 x D fp32 "
+                                 f"accumulators of one warp group)")
+
+    @property
+    def name(self) -> str:
+        return f"gdn_bwd_chunk_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}"
+
+
+OPERAND_DTYPE = "float16"
+# The head dims whose library the backward uses (built and checked for spills here, run against
+# float64 on the H200): the chain kernels' (chain_kernels.BACKWARD_DIMS).
+BACKWARD_DIMS = frozenset({(128, 128)})
+
+
+def spec_for(head_k_dim: int, head_v_dim: int) -> ChunkSpec:
+    """The library the backward uses for these head dims; ValueError outside BACKWARD_DIMS."""
+    if (head_k_dim, head_v_dim) not in BACKWARD_DIMS:
+        raise ValueError(f"the backward's per-chunk gradient kernel is built for (K, V) in {sorted(BACKWARD_DIMS)}, "
+                         f"not K={head_k_dim}, V={head_v_dim}")
+    return ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim)
+
+
+def render_source(spec: ChunkSpec) -> str:
+    """The .cu text of a library (the template only fixes constants)."""
+    return render_template(
+        TEMPLATE_NAME, name=spec.name, abi_version=ABI_VERSION, spec_json=spec_json(spec),
+        element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim)
+
+
+STRIDED = ("q", "k", "v", "dout", "beta", "gamma")  # the inputs read in place through their strides
+_Strides = ctypes.c_int64 * 3                        # (chunk, head, row), in elements
+
+
+class ChunkArgs(ctypes.Structure):
+    """ctypes mirror of FqtBwdChunkArgs (csrc/gdn_bwd_chunk_host.cuh); the library reports its size."""
+    _fields_ = [
+        ("num_heads", ctypes.c_int32), ("num_qk_heads", ctypes.c_int32), ("num_chunks", ctypes.c_int64),
+        *((name, ctypes.c_void_p) for name in STRIDED),
+        *((f"{name}_strides", _Strides) for name in STRIDED),
+        *((name, ctypes.c_void_p) for name in (
+            "a0", "state", "dstate", "vn", "dvn", "unit_u", "unit_d", "dq", "dk", "dv", "dbeta", "dg")),
+    ]
+
+
+KIND = LibraryKind("fqt_bwd_chunk", "the backward's per-chunk gradient kernel", ABI_VERSION, ChunkArgs, ChunkKernelError,
+                   render_source)
+LIBRARIES = LibraryTable(KIND)   # this process's chunk libraries
+
+
+def get_chunk_library(spec: ChunkSpec, root: Path | None = None, config=None):
+    """The kernel cache's entry (cache.CacheEntry) of `spec`'s library, built if missing or invalid.
+    root: the kernels folder (default: the kernel cache's)."""
+    return LIBRARIES.cache_entry(spec, root, config)
+
+
+def open_library(so_path: Path, spec: ChunkSpec) -> OpenedLibrary:
+    """A built library opened and checked (ELF, ABI, argument size, spec); ChunkKernelError if stale."""
+    return OpenedLibrary(KIND, so_path, spec)
+
+
+def register_library(spec: ChunkSpec, so_path: Path) -> OpenedLibrary:
+    """Use an already built library for `spec` (one built on another machine): nothing is built."""
+    return LIBRARIES.register(spec, so_path)
+
+
+def offer_library(spec: ChunkSpec, so_path: Path, sha256: str | None = None) -> None:
+    """A kernel pack's library for `spec`, opened and checked (sha256, ABI, spec) on first use."""
+    LIBRARIES.offer(spec, so_path, sha256)
+
+
+def library(spec: ChunkSpec) -> OpenedLibrary:
+    """The opened library of `spec`: a registered or offered one, else built through the kernel
+    cache on first use in this process; ChunkKernelError naming the cause when it cannot be had."""
+    return LIBRARIES.get(spec)
+
+
+# ---------------------------------------------------------------- the launch on torch tensors
+
+def _strides(name: str, t: torch.Tensor, shape: tuple, device) -> tuple[int, int, int]:
+    """The (chunk, head, row) element strides of an input the kernel reads in place (0 along a dim
+    of size 1): fp32 on `device`, non-negative strides; a tile input ([chunks, H, 64, D]) with
+    contiguous columns, 16-byte aligned, rows of whole float4s. ValueError naming what is wrong."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or not t.is_cuda or t.device != device:
+        raise ValueError(f"{name}: expected a torch.float32 tensor of shape {tuple(shape)} on {device}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    strides = tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
+    if min(strides, default=0) < 0:
+        raise ValueError(f"{name}: negative strides {t.stride()}")
+    if len(shape) == 4 and t.numel() and (strides[3] != 1 or any(s % 4 for s in strides[:3]) or t.data_ptr() % 16):
+        raise ValueError(f"{name}: the kernel reads its rows as float4s: it needs contiguous columns, strides "
+                         f"(chunk, head, row) of multiples of 4 elements and a 16-byte aligned start, got strides "
+                         f"{t.stride()} at {t.data_ptr():#x}")
+    return strides[:3]
+
+
+def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None):
+    """Step 3 of the backward for every (chunk, v-head), on the device's current stream.
+
+    fp32, on one CUDA device, in the chunk layout: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv;
+    v-head h reads q/k head h // (Hv / Hqk)); v, dout (scale dO) [chunks, Hv, 64, V]; beta, gamma
+    (the in-chunk cumulative gate) [chunks, Hv, 64] -- these six read in place through their strides
+    (to_chunks' views of token rows need no copy; _strides says what they must be) --;
+    and contiguous: a0 [chunks, Hv, 64, 64]; state
+    (unit_u S_c) and dstate (unit_d dS_{c+1}) [chunks, Hv, K, V]; vn (unit_u Vn), dvn (unit_d dVn)
+    [chunks, Hv, 64, V]; unit_u, unit_d [chunks, Hv] (powers of two).
+    Returns (dq [chunks, Hv, 64, K], dk [chunks, Hv, 64, K], dv [chunks, Hv, 64, V],
+    dbeta [chunks, Hv, 64], dg [chunks, Hv, 64]), fp32 and unscaled, written into `out` (those
+    five buffers) when given."""
+    NC, Hqk, C, K = q.shape
+    Hv, V = v.shape[1], v.shape[3]
+    spec = spec_for(K, V)
+    if C != CHUNK:
+        raise ValueError(f"chunk layout rows must be {CHUNK}, got {C}")
+    if Hv % Hqk:
+        raise ValueError(f"the v-heads ({Hv}) must be a multiple of the q/k heads ({Hqk})")
+    dev = q.device
+    f32 = torch.float32
+    if not q.is_cuda:
+        raise ValueError(f"q: expected a CUDA tensor, got one on {q.device}")
+    strided = dict(q=q, k=k, v=v, dout=dout, beta=beta, gamma=gamma)
+    strides = {name: _strides(name, strided[name], shape, dev) for name, shape in (
+        ("q", (NC, Hqk, C, K)), ("k", (NC, Hqk, C, K)), ("v", (NC, Hv, C, V)), ("dout", (NC, Hv, C, V)),
+        ("beta", (NC, Hv, C)), ("gamma", (NC, Hv, C)))}
+    for name, t, shape in (("a0", a0, (NC, Hv, C, C)), ("state", state, (NC, Hv, K, V)),
+                           ("dstate", dstate, (NC, Hv, K, V)), ("vn", vn, (NC, Hv, C, V)), ("dvn", dvn, (NC, Hv, C, V)),
+                           ("unit_u", unit_u, (NC, Hv)), ("unit_d", unit_d, (NC, Hv))):
+        check_tensor(name, t, shape, f32, dev)
+    if NC * Hv >= 2 ** 31:
+        raise ValueError(f"{NC} chunks x {Hv} heads = {NC * Hv} CTAs: the grid is int32 (fewer than 2^31); "
+                         f"split the batch")
+    shapes = ((NC, Hv, C, K), (NC, Hv, C, K), (NC, Hv, C, V), (NC, Hv, C), (NC, Hv, C))
+    if out is None:
+        out = tuple(torch.empty(shape, dtype=f32, device=dev) for shape in shapes)
+    else:  # the caller's buffers (tests pass NaN-filled ones to see that every element is written)
+        for name, t, shape in zip(("out dq", "out dk", "out dv", "out dbeta", "out dg"), out, shapes):
+            check_tensor(name, t, shape, f32, dev)
+    dq, dk, dv, dbeta, dg = out
+    args = ChunkArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC,
+                     **{name: ptr(t) for name, t in strided.items()},
+                     **{f"{name}_strides": _Strides(*strides[name]) for name in STRIDED},
+                     a0=ptr(a0), state=ptr(state),
+                     dstate=ptr(dstate), vn=ptr(vn), dvn=ptr(dvn), unit_u=ptr(unit_u), unit_d=ptr(unit_d),
+                     dq=ptr(dq), dk=ptr(dk), dv=ptr(dv), dbeta=ptr(dbeta), dg=ptr(dg))
+    lib = library(spec)
+    with torch.cuda.device(dev):  # the launch goes to the current device: make it the tensors'
+        lib.launch(args, stream_handle(dev))
+    return dq, dk, dv, dbeta, dg
+
+
+__all__ = ["ABI_VERSION", "BACKWARD_DIMS", "ChunkArgs", "ChunkKernelError", "ChunkSpec", "KIND", "LIBRARIES",
+           "OPERAND_DTYPE", "chunk_gradients", "get_chunk_library", "library", "offer_library", "open_library",
+           "register_library", "render_source", "spec_for"]

@@ -1,0 +1,193 @@
+"""The backward's state-independent pieces on Hopper: csrc/gdn_bwd_prep.cuh through templates/gdn_bwd_prep.cu.j2.
+
+One kernel launch computes, for every chunk and v-head, what chunked_torch batches in torch before
+its chains: the chain kernels' inputs w, Kd and D Q (in the chains' 16-bit operand dtype), u and
+scale P^T dO (fp32) and e^{gamma_C}, and for the per-chunk gradients gamma, A = Gamma * A0 and A0
+(fp32), all in the padded chunk layout [chunks, Hv, 64, D]. It reads the chunk layout too: q and k
+[chunks, Hqk, 64, K] in the operand dtype (normalised by torch where the op normalises), v and
+scale dO [chunks, Hv, 64, V] fp32 (any chunk, head and row strides: to_chunks' views are taken as
+they are), g and beta [chunks, Hv, 64] fp32. The head counts are runtime values, so one library
+serves every head configuration of a (K, V).
+
+A library is built once per PrepSpec into the kernel cache beside the chain libraries (the same
+renderer protocol, key and checks: chain_kernels) and opened through ctypes; launches go on the
+current stream and never synchronise.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
+                             OpenedLibrary, check_tensor, ptr, render_template, spec_json, stream_handle)
+
+TEMPLATE_NAME = "gdn_bwd_prep.cu.j2"
+ABI_VERSION = 1      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
+
+class PrepKernelError(BackwardKernelError):
+    """The prep kernel cannot be built, loaded or launched here; the message says why."""
+
+
+@dataclass(frozen=True)
+class PrepSpec(LibrarySpec):
+    """What one prep library is compiled for: the 16-bit operand dtype (the chains') and the head dims."""
+    operand_dtype: str = "float16"
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+
+    def __post_init__(self) -> None:
+        self._check_operand_dtype()
+        if self.head_k_dim != 128:
+            raise ValueError(f"PrepSpec.head_k_dim={self.head_k_dim} must be 128 (Q K^T's fp32 tile lives in the q tile)")
+        if self.head_v_dim not in (64, 128):
+            raise ValueError(f"PrepSpec.head_v_dim={self.head_v_dim} must be 64 or 128")
+
+    @property
+    def name(self) -> str:
+        return f"gdn_bwd_prep_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}"
+
+
+def spec_for(head_k_dim: int, head_v_dim: int) -> PrepSpec:
+    """The prep library the backward uses beside chain_kernels.spec_for(K, V): its operand dtype, for
+    the dims the chains are built for (ValueError elsewhere)."""
+    from . import chain_kernels
+
+    chain = chain_kernels.spec_for(head_k_dim, head_v_dim)
+    return PrepSpec(chain.operand_dtype, head_k_dim, head_v_dim)
+
+
+def render_source(spec: PrepSpec) -> str:
+    """The .cu text of a prep library (the template only fixes constants)."""
+    return render_template(
+        TEMPLATE_NAME, name=spec.name, abi_version=ABI_VERSION,
+        spec_json=spec_json(spec),
+        element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim)
+
+
+class PrepArgs(ctypes.Structure):
+    """ctypes mirror of FqtBwdPrepArgs (csrc/gdn_bwd_prep_host.cuh); the library reports its size."""
+    _fields_ = [
+        ("num_heads", ctypes.c_int32), ("num_qk_heads", ctypes.c_int32), ("num_chunks", ctypes.c_int64),
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("g", ctypes.c_void_p), ("beta", ctypes.c_void_p),
+        ("v", ctypes.c_void_p), ("dout", ctypes.c_void_p),
+        ("v_stride", ctypes.c_int64 * 3), ("dout_stride", ctypes.c_int64 * 3),
+        ("w", ctypes.c_void_p), ("kd", ctypes.c_void_p), ("qd", ctypes.c_void_p), ("u", ctypes.c_void_p),
+        ("ptdo", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("gamma", ctypes.c_void_p),
+        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p),
+    ]
+
+
+KIND = LibraryKind("fqt_bwd_prep", "the backward's prep kernel", ABI_VERSION, PrepArgs, PrepKernelError,
+                   render_source)
+LIBRARIES = LibraryTable(KIND)   # this process's prep libraries
+
+
+def get_prep_library(spec: PrepSpec, root: Path | None = None, config=None):
+    """The kernel cache's entry (cache.CacheEntry) of `spec`'s library, built if missing or invalid.
+    root: the kernels folder (default: the kernel cache's)."""
+    return LIBRARIES.cache_entry(spec, root, config)
+
+
+def open_library(so_path: Path, spec: PrepSpec) -> OpenedLibrary:
+    """A built library opened and checked (ELF, ABI, argument size, spec); PrepKernelError if stale."""
+    return OpenedLibrary(KIND, so_path, spec)
+
+
+def register_library(spec: PrepSpec, so_path: Path) -> OpenedLibrary:
+    """Use an already built library for `spec` (one built on another machine): nothing is built."""
+    return LIBRARIES.register(spec, so_path)
+
+
+def offer_library(spec: PrepSpec, so_path: Path, sha256: str | None = None) -> None:
+    """A kernel pack's library for `spec`, opened and checked (sha256, ABI, spec) on first use."""
+    LIBRARIES.offer(spec, so_path, sha256)
+
+
+def library(spec: PrepSpec) -> OpenedLibrary:
+    """The opened library of `spec`: a registered or offered one, else built through the kernel
+    cache on first use in this process; PrepKernelError naming the cause when it cannot be had."""
+    return LIBRARIES.get(spec)
+
+
+# ---------------------------------------------------------------- the launch on torch tensors
+
+@dataclass
+class PrepPieces:
+    """The kernel's outputs, [chunks, Hv, ...] in the padded chunk layout."""
+    w: torch.Tensor       # operand dtype [., 64, K]: T D K
+    kd: torch.Tensor      # operand dtype [., 64, K]: diag(e^{gamma_C - gamma}) K
+    qd: torch.Tensor      # operand dtype [., 64, K]: D Q
+    u: torch.Tensor       # fp32 [., 64, V]: T V
+    ptdo: torch.Tensor    # fp32 [., 64, V]: scale P^T dO
+    decay: torch.Tensor   # fp32 [chunks, Hv]: e^{gamma_C}
+    gamma: torch.Tensor   # fp32 [., 64]
+    a: torch.Tensor | None   # fp32 [., 64, 64]: Gamma * A0
+    a0: torch.Tensor | None  # fp32 [., 64, 64]: A0
+
+
+def _check_rows(name: str, t: torch.Tensor, shape: tuple, device) -> None:
+    """fp32 [chunks, H, 64, D] on `device`, last dim contiguous, every stride and the address
+    16-byte multiples (the kernel loads float4 pieces)."""
+    if (tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or t.device != device or t.stride(-1) != 1
+            or any(s % 4 for s in t.stride()[:3]) or t.data_ptr() % 16):
+        raise ValueError(f"{name}: expected a float32 tensor of shape {tuple(shape)} on {device} with a contiguous "
+                         f"last dim and strides and address of whole 16 bytes, got {t.dtype} {tuple(t.shape)} "
+                         f"strides {t.stride()} on {t.device}")
+
+
+def backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_inverse=True, out=None) -> PrepPieces:
+    """The state-independent pieces of the backward, one launch on the device's current stream.
+
+    q, k [chunks, Hqk, 64, K] contiguous in the operand dtype (PrepSpec.torch_dtype); v and dout
+    (scale dO) fp32 [chunks, Hv, 64, V], last dim contiguous; g, beta fp32 [chunks, Hv, 64]
+    contiguous; all in the padded chunk layout (pad rows zero). gated_inverse / gate_free_inverse:
+    whether A and A0 are written. out: a PrepPieces of the caller's buffers (tests pass NaN-filled
+    ones to see that every element is written)."""
+    NC, Hqk, C, K = q.shape
+    Hv, V = v.shape[1], v.shape[3]
+    spec = spec_for(K, V)
+    op = spec.torch_dtype
+    if C != CHUNK:
+        raise ValueError(f"chunk layout rows must be {CHUNK}, got {C}")
+    if Hv % Hqk:
+        raise ValueError(f"v-heads {Hv} must be a multiple of q/k heads {Hqk}")
+    dev = q.device
+    check_tensor("q", q, (NC, Hqk, C, K), op)
+    check_tensor("k", k, (NC, Hqk, C, K), op, dev)
+    _check_rows("v", v, (NC, Hv, C, V), dev)
+    _check_rows("dout", dout, (NC, Hv, C, V), dev)
+    check_tensor("g", g, (NC, Hv, C), torch.float32, dev)
+    check_tensor("beta", beta, (NC, Hv, C), torch.float32, dev)
+    if NC * max(Hqk, Hv) * CHUNK >= 2 ** 31:
+        raise ValueError(f"{NC} chunks x {max(Hqk, Hv)} heads x {CHUNK} rows: the prep kernel's TMA coordinates "
+                         f"and grid are int32 (fewer than 2^31 rows); split the batch")
+    shapes = dict(w=(NC, Hv, C, K), kd=(NC, Hv, C, K), qd=(NC, Hv, C, K), u=(NC, Hv, C, V), ptdo=(NC, Hv, C, V),
+                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C))
+    dtypes = dict(w=op, kd=op, qd=op)
+    wanted = dict(a=gated_inverse, a0=gate_free_inverse)
+    if out is None:
+        out = PrepPieces(**{n: torch.empty(s, dtype=dtypes.get(n, torch.float32), device=dev)
+                            if wanted.get(n, True) else None for n, s in shapes.items()})
+    else:
+        for n, s in shapes.items():
+            t = getattr(out, n)
+            if t is None and wanted.get(n, True):
+                raise ValueError(f"out.{n} is None but is asked for")
+            if t is not None:
+                check_tensor(f"out {n}", t, s, dtypes.get(n, torch.float32), dev)
+    args = PrepArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, q=ptr(q), k=ptr(k), g=ptr(g), beta=ptr(beta),
+                    v=ptr(v), dout=ptr(dout), v_stride=(ctypes.c_int64 * 3)(*v.stride()[:3]),
+                    dout_stride=(ctypes.c_int64 * 3)(*dout.stride()[:3]),
+                    **{n: ptr(getattr(out, n) if wanted.get(n, True) else None) for n in shapes})
+    lib = library(spec)
+    with torch.cuda.device(dev):
+        lib.launch(args, stream_handle(dev))
+    return out
+
+
+__all__ = ["ABI_VERSION", "KIND", "LIBRARIES", "PrepArgs", "PrepKernelError", "PrepPieces", "PrepSpec",
+           "backward_prep", "get_prep_library", "library", "offer_library", "open_library", "register_library",
+           "render_source", "spec_for"]
