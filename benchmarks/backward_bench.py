@@ -15,7 +15,8 @@ returned, then autograd's backward from (do, dht). Per implementation and row:
 - eager step time, the median of synchronised steps (measure.timing.CudaTimer.eager) over the
   row's input sets;
 - the step's peak memory: torch.cuda.max_memory_allocated() after a reset, less what was
-  allocated before the step (inputs and gradients from earlier steps are freed first);
+  allocated before the step (inputs and gradients from earlier steps are freed first); and what
+  was still allocated when the row started (earlier rows' leftovers: a leak shows here);
 - on rows of at most --accuracy-max-tokens tokens, the relative L2 of dq, dk, dv, dg, dbeta and
   dh0 against float64 autograd of the chunked float64 forward (oracle.gradients, form "chunked"),
   with the gradient ceilings (CEILING: below 2e-2; 5e-2 for dbeta and dg);
@@ -339,12 +340,26 @@ def step_peak_bytes(impl: StepImpl, x, cuda: bool):
     return torch.cuda.max_memory_allocated() - before
 
 
+def allocated_bytes(cuda: bool):
+    """torch's allocated device memory after a garbage collection (None off the GPU)."""
+    import gc
+
+    import torch
+
+    if not cuda:
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def run_row(case, impls, timer, seed: int, accuracy_max_tokens: int, cuda: bool, log) -> dict:
     """One row: every implementation's eager step time, peak memory and (short rows) gradient errors."""
+    held = allocated_bytes(cuda)   # what earlier rows left allocated: zero unless something leaks
     sets = make_sets(case, "cuda" if cuda else "cpu", seed)
     ref = oracle_gradients(sets[0]) if 0 < case.total_tokens <= accuracy_max_tokens else None
     row = {"name": case.name, "heads": case.heads, "seqlens": list(case.seqlens), "tokens": case.total_tokens,
-           "impls": {}}
+           "allocated_before_row_bytes": held, "impls": {}}
     for impl in impls:
         entry = {}
         try:
@@ -361,10 +376,13 @@ def run_row(case, impls, timer, seed: int, accuracy_max_tokens: int, cuda: bool,
                           "tokens_per_s": case.total_tokens / (t.median_ms / 1e3)})
         except Exception as exc:
             entry = {"error": short(exc)}
+            if cuda:
+                entry["allocated_at_error_bytes"] = allocated_bytes(cuda)
         row["impls"][impl.name] = entry
         log(f"{case.name:24s} {impl.name:14s} " + (f"{entry['ms']:.3f} ms, peak "
             f"{(entry['step_peak_bytes'] or 0) / 2**20:.0f} MiB" if "ms" in entry else entry["error"])
-            + (f", worst grad err {max(entry['grad_errors'].values()):.2e}" if entry.get("grad_errors") else ""))
+            + (f", worst grad err {max(entry['grad_errors'].values()):.2e}" if entry.get("grad_errors") else "")
+            + (f", {held / 2**20:.0f} MiB held before the row" if held else ""))
         for x in sets:
             for name in GRADIENTS:
                 getattr(x, name).grad = None

@@ -38,8 +38,9 @@
 #   bash benchmarks/h200_steps.sh kernel-split ARGS   benchmarks/kernel_split.py with ARGS (--heads,
 #                                              --seqlens, --impl): $OUT/kernel_split.json and .log
 #                                              (published: docs/results/kernel-split.json)
-#   bash benchmarks/h200_steps.sh backward-tests   tests/test_gpu_backward_chain.py (the chain kernels against
-#                                              the float64 loops, then the op's gradients) and
+#   bash benchmarks/h200_steps.sh backward-tests   the backward's three libraries built, then
+#                                              tests/test_gpu_backward_{chain,prep,chunk}.py (each kernel against
+#                                              float64, then the op's gradients) and
 #                                              tests/test_gpu_backward.py (FLA's reference errors from its
 #                                              Triton kernels with its TileLang chunk_bwd_dqkwg, FlashQLA's
 #                                              backend off): $OUT/gpu_tests_backward.log
@@ -151,6 +152,21 @@ parallel_gpu_tests() {
   echo "${#ids[@]} tests in $w processes:"; grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$log"
   grep -E "^FAILED" "$log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
 }
+# The backward's chain, prep and per-chunk gradient libraries for K = V = 128 in the kernel cache
+# (built side by side where missing), with each one's registers and shared memory.
+backward_libraries() {
+  python3 - <<'PY'
+from concurrent.futures import ThreadPoolExecutor
+from flashqla_tune.backward import chain_kernels, chunk_kernels, prep_kernels
+mods = (chain_kernels, prep_kernels, chunk_kernels)
+with ThreadPoolExecutor(len(mods)) as pool:
+    entries = list(pool.map(lambda m: m.LIBRARIES.cache_entry(m.spec_for(128, 128)), mods))
+for e in entries:
+    for name, info in e.resources.items():
+        if info.get("entry"):
+            print(e.so_path.name, name[:60], {k: info.get(k) for k in ("registers", "spill_stores", "spill_loads")})
+PY
+}
 info() {
   python3 -c "from flashqla_tune.cli import main; main(['info'])" > "$OUT/info.txt" 2>&1
 }
@@ -231,10 +247,13 @@ case "$STEP" in
     timeout "${SPLIT_TIMEOUT_S:-420}" python3 -P benchmarks/kernel_split.py "$OUT" "${@:2}" > "$OUT/kernel_split.log" 2>&1
     echo "kernel-split rc=$?"; grep -E "us of kernel time" "$OUT/kernel_split.log" | cut -c1-300 ;;
   backward-tests)
+    # the three backward libraries built once, side by side, before the test processes share the cache
+    backward_libraries
     # FLA's Triton chunk_bwd_dqkwg raises on Hopper with Triton < 3.7.1 unless its TileLang backend
     # serves it, which needs FLA's dispatch on; FLA_FLASH_QLA=0 keeps FLA's whole op from going to FlashQLA.
     FLA_DISABLE_BACKEND_DISPATCH=0 FLA_FLASH_QLA=0 parallel_gpu_tests "$OUT/gpu_tests_backward.log" \
-      "${TESTS_TIMEOUT_S:-480}" tests/test_gpu_backward_chain.py tests/test_gpu_backward.py ;;
+      "${TESTS_TIMEOUT_S:-420}" tests/test_gpu_backward_chain.py tests/test_gpu_backward_prep.py \
+      tests/test_gpu_backward_chunk.py tests/test_gpu_backward.py ;;
   gate-tests)
     parallel_gpu_tests "$OUT/gpu_tests_gates.log" "${TESTS_TIMEOUT_S:-480}" tests/test_gpu_gate_options.py ;;
   backward-bench)
