@@ -533,7 +533,8 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     const float4* s4 = reinterpret_cast<const float4*>(p.state + tile * K * V);
     const float4* d4 = reinterpret_cast<const float4*>(p.dstate + tile * K * V);
     float dot = 0.f;
-#pragma unroll 4
+    // eight iterations unrolled: sixteen float4 loads a thread issued before the first is used
+#pragma unroll 8
     for (int j = 0; j < kPerThread; ++j) {
       const int idx = tid + 128 * j, r = idx / (V / 4), c = idx % (V / 4) * 4;
       const float4 a = __ldg(s4 + idx), b = __ldg(d4 + idx);

@@ -42,6 +42,12 @@ def test_the_device_grid_moves_rows_as_the_host_grid_does(seqlens, tail):
     y = torch.randn(dev.num_chunks, 3, 64, 5)
     back = chunked_torch.from_chunks(y, dev, total)
     assert torch.equal(back, chunked_torch.from_chunks(y[:host.num_chunks], host, total))
+    spare = chunked_torch.with_spare_chunk(y.shape, y.dtype, y.device)   # the one-gather path
+    spare[:-1] = y
+    assert torch.equal(chunked_torch.from_chunks(spare, dev, total), back)
+    padded = chunked_torch.padded_rows(x.double(), torch.float32)
+    assert padded.dtype == torch.float32 and not padded[-1].any()
+    assert torch.equal(chunked_torch.gather_chunks(padded, dev), chunks)
 
 
 def test_the_device_grid_stays_in_bounds_whatever_the_offsets_hold():
@@ -126,18 +132,25 @@ class ChainKernelsDouble:
                 dh0[seq, heads] = dS
         return grads, dnews, dh0
 
-    def chunk_gradients(self, q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d):
+    def chunk_gradients(self, q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None):
         """The per-chunk gradient kernel's results in torch: step 3 on its inputs, q and k per q/k
-        head, the chains' results divided by their units."""
+        head, the chains' results divided by their units; written into `out` when given, as the
+        kernel does."""
         self.calls.append("chunk")
         group = v.shape[1] // q.shape[1]
         qc, kc = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         Gamma = decay_mask(gamma)
         A = Gamma * a0
         uu, ud = unit_u[..., None, None], unit_d[..., None, None]
-        return chunked_torch.per_chunk_gradients(qc, kc, v, beta, dout, gamma, Gamma, a0, A, A * beta[..., None, :],
-                                                 gamma.exp()[..., None] * kc, qc @ kc.transpose(-1, -2), state / uu,
-                                                 dstate / ud, vn / uu, dvn / ud)
+        got = chunked_torch.per_chunk_gradients(qc, kc, v, beta, dout, gamma, Gamma, a0, A, A * beta[..., None, :],
+                                                gamma.exp()[..., None] * kc, qc @ kc.transpose(-1, -2), state / uu,
+                                                dstate / ud, vn / uu, dvn / ud)
+        if out is None:
+            return got
+        for buffer, result in zip(out, got):
+            assert buffer.shape == result.shape and buffer.is_contiguous()
+            buffer.copy_(result)
+        return out
 
 
 @pytest.fixture

@@ -136,19 +136,47 @@ def device_chunk_grid(cu_seqlens: torch.Tensor, total_rows: int) -> ChunkGrid:
                      dump_slot=True)
 
 
+def padded_rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[N, ...] -> [N + 1, ...] in `dtype` (default x's), the extra last row zero: the source
+    gather_chunks reads pad slots from. One copy of x (which a dtype conversion makes anyway)."""
+    out = x.new_empty((x.shape[0] + 1, *x.shape[1:]), dtype=dtype or x.dtype)
+    out[:-1].copy_(x)
+    out[-1].zero_()
+    return out
+
+
+def gather_chunks(padded: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
+    """padded_rows of the grid's num_tokens token rows -> [num_chunks, H, CHUNK, D...], a view of one
+    gather (token-major: each chunk's rows are CHUNK apart); pad slots read the zero row."""
+    if padded.shape[0] != grid.num_tokens + 1:
+        raise ValueError(f"gather_chunks needs {grid.num_tokens} token rows and the zero row, got {padded.shape[0]} rows")
+    return padded[grid.slot_token].view(grid.num_chunks, CHUNK, *padded.shape[1:]).transpose(1, 2)
+
+
 def to_chunks(x: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
     """[T, H, D...] token rows -> [num_chunks, H, CHUNK, D...]; pad slots are zero (a zero k, v,
     beta and g leave the state as it is, so tails need no masking)."""
-    rows = x[:grid.num_tokens]
-    padded = torch.cat([rows, rows.new_zeros((1,) + rows.shape[1:])])[grid.slot_token]
-    return padded.view(grid.num_chunks, CHUNK, *x.shape[1:]).transpose(1, 2)
+    return gather_chunks(padded_rows(x[:grid.num_tokens]), grid)
+
+
+def with_spare_chunk(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """An empty [num_chunks + 1, ...] buffer whose last chunk is zero: per-chunk results written into
+    its first num_chunks (a contiguous view) go back to token rows in one gather (from_chunks), the
+    rows of no sequence reading the zero chunk."""
+    out = torch.empty((shape[0] + 1, *shape[1:]), dtype=dtype, device=device)
+    out[-1].zero_()
+    return out
 
 
 def from_chunks(xc: torch.Tensor, grid: ChunkGrid, total_tokens: int) -> torch.Tensor:
     """[num_chunks, H, CHUNK, D...] -> [T, H, D...] token rows (pad slots dropped; rows that belong
-    to no sequence are zero)."""
+    to no sequence are zero). xc may carry one more chunk, of zeros (with_spare_chunk): then a
+    device grid's rows of no sequence read it and the rows come out of one gather."""
     H, rest = xc.shape[1], xc.shape[3:]
-    flat = xc.transpose(1, 2).reshape(grid.num_chunks * CHUNK, H, *rest)
+    if grid.dump_slot and xc.shape[0] == grid.num_chunks + 1:
+        # token_slot of a row of no sequence is num_chunks * CHUNK: row 0 of the spare zero chunk
+        return xc[grid.token_slot // CHUNK, :, grid.token_slot % CHUNK]
+    flat = xc[:grid.num_chunks].transpose(1, 2).reshape(grid.num_chunks * CHUNK, H, *rest)
     if grid.dump_slot:  # every row names a slot; a row of no sequence the zero row past the chunks
         return torch.cat([flat, flat.new_zeros((1, H, *rest))])[grid.token_slot]
     out = xc.new_zeros((total_tokens, H, *rest))
@@ -338,17 +366,25 @@ def chunk_gated_delta_rule_bwd_torch(
     def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
         return x.reshape(B * T, *x.shape[2:]).to(dt)
 
+    def chunks(x):  # [B, T, ...] -> the chunk layout in the compute dtype, one conversion copy and one gather
+        rows = x.reshape(B * T, *x.shape[2:])
+        if grid.num_tokens != B * T:   # a host grid over the offsets' tokens only
+            return to_chunks(rows.to(dt), grid)
+        return gather_chunks(padded_rows(rows, dt), grid)
+
     def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
         x = x.to(dt)
         return (x.transpose(-1, -2) if state_v_first else x).contiguous()
 
-    q_raw, k_raw = flat(q), flat(k)
-    qf, kf = (l2_normalize(q_raw), l2_normalize(k_raw)) if use_qk_l2norm_in_kernel else (q_raw, k_raw)
-    q_chunks, k_chunks = to_chunks(qf, grid), to_chunks(kf, grid)   # [NC, Hqk, C, K]
-    vc = to_chunks(flat(v), grid)                              # [NC, Hv, C, V]
-    bc = to_chunks(flat(beta), grid)                           # [NC, Hv, C]
-    gc = to_chunks(flat(g), grid)                              # [NC, Hv, C]
-    dOs = scale * to_chunks(flat(do), grid)                    # scale folded into dO
+    if use_qk_l2norm_in_kernel:
+        q_raw, k_raw = flat(q), flat(k)
+        q_chunks, k_chunks = to_chunks(l2_normalize(q_raw), grid), to_chunks(l2_normalize(k_raw), grid)
+    else:
+        q_chunks, k_chunks = chunks(q), chunks(k)              # [NC, Hqk, C, K]
+    vc = chunks(v)                                             # [NC, Hv, C, V]
+    bc = chunks(beta)                                          # [NC, Hv, C]
+    gc = chunks(g)                                             # [NC, Hv, C]
+    dOs = scale * chunks(do)                                   # scale folded into dO
     h0 = None if initial_state is None else kv_state(initial_state)
     dS_end = None if dht is None else kv_state(dht)
     # With the chain kernels the state-independent pieces come from one prep kernel launch
@@ -377,7 +413,7 @@ def chunk_gated_delta_rule_bwd_torch(
         else:
             w_op, Kd_op, Qd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd", "Qd"))
             chunk_decay = gamma_last.exp().contiguous()
-        segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, kf, group)
+        segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, k_chunks, group)
         unit_u, unit_u_c = _chain_units(grid, u, h0)
         h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_u_c).contiguous(), chunk_decay, segments,
                                               None if h0 is None else (h0 * unit_u).contiguous(),
@@ -394,9 +430,13 @@ def chunk_gated_delta_rule_bwd_torch(
             # head, and they, v, dO, beta and gamma read in place from to_chunks' views
             from . import chunk_kernels
 
-            per_chunk = chunk_kernels.chunk_gradients(
+            # into buffers with a spare zero chunk, so that each goes back to token rows in one gather
+            f32 = torch.float32
+            per_chunk = tuple(with_spare_chunk(shape, f32, v.device) for shape in (
+                (NC, Hv, CHUNK, K), (NC, Hv, CHUNK, K), (NC, Hv, CHUNK, V), (NC, Hv, CHUNK), (NC, Hv, CHUNK)))
+            chunk_kernels.chunk_gradients(
                 q_chunks, k_chunks, vc, dOs, bc, gamma, A0.contiguous(), h, dh_out, Vn, dVn,
-                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv))
+                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), out=tuple(t[:NC] for t in per_chunk))
         else:
             h, Vn, dh_out, dVn = h / unit_u_c, Vn / unit_u_c, dh_out / unit_d_c, dVn / unit_d_c
             per_chunk = None
@@ -416,7 +456,7 @@ def chunk_gated_delta_rule_bwd_torch(
 
     def tokens(xc, heads_summed=False):
         if heads_summed:  # v-heads -> their q/k head
-            xc = xc.view(NC, Hqk, group, *xc.shape[2:]).sum(2)
+            xc = xc.view(xc.shape[0], Hqk, group, *xc.shape[2:]).sum(2)
         return from_chunks(xc, grid, B * T)
 
     dqf, dkf = tokens(dqc, True), tokens(dkc, True)
@@ -470,7 +510,7 @@ def per_chunk_gradients(qc, kc, vc, bc, dOs, gamma, Gamma, A0, A, Tm, Kdd, QK, h
     return dqc, dkc, dvc, dbc, dgc
 
 
-def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, kf, group: int):
+def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chunks, group: int):
     """What the chain kernels walk: each sequence whole, or, with the forward call's warm-up tables
     (cp) where a sequence of this call can be long enough to split, the forward's segments with the
     guard's per-chunk input (chain_segments.window_log_decay, from |k|^2 of the keys the kernels see).
@@ -480,7 +520,7 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, kf, gr
     if cp is not None and cp.splits:
         most = cp.bound(total_rows, grid.num_seqs)
         if most > grid.num_seqs:
-            key_norms = to_chunks((kf * kf).sum(-1), grid).repeat_interleave(group, dim=1)   # [NC, Hv, C]
+            key_norms = (k_chunks * k_chunks).sum(-1).repeat_interleave(group, dim=1)   # [NC, Hv, C]
             return (chain_segments.split_sequences(grid.chunk_offsets, cp.segment_chunks, most, cp.warmup, cp.log_eps),
                     chain_segments.window_log_decay(gamma_last, bc, key_norms))
     return chain_segments.whole_sequences(grid.chunk_offsets), None
@@ -494,11 +534,12 @@ def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.T
     Computed on the device, no host sync. A non-finite input is not scaled away: its sequence's
     results come out non-finite too."""
     N, Hv = grid.num_seqs, per_chunk.shape[1]
-    chunk_amax = per_chunk.abs().amax(dim=(-2, -1))                     # [NC, Hv]
+    # the largest |x| in one reduction (no |x| tensor); a NaN propagates as amax would
+    chunk_amax = torch.linalg.vector_norm(per_chunk, float("inf"), dim=(-2, -1))   # [NC, Hv]
     owner = grid.chunk_sequence[:, None].expand_as(chunk_amax)
     amax = per_chunk.new_zeros(N, Hv).scatter_reduce_(0, owner, chunk_amax, "amax")
     if per_sequence is not None:
-        amax = torch.maximum(amax, per_sequence.abs().amax(dim=(-2, -1)))
+        amax = torch.maximum(amax, torch.linalg.vector_norm(per_sequence, float("inf"), dim=(-2, -1)))
     # the exponent is clamped so that the unit stays a finite fp32 (amax down to 2^-126)
     exponent = torch.floor(torch.log2(amax)).clamp(min=-126.0)
     unit = torch.where(amax > 0, torch.exp2(-exponent), torch.ones_like(amax))
