@@ -55,6 +55,7 @@ HOST = "host"
 UNTUNED_TARGET = "untuned sm_90a"
 NATIVE, QK_REPEATED = "native", "qk_repeated"   # a plan's head form: the model's, or q/k repeated to Hv
 BACKWARD_KINDS = ("chain", "prep", "chunk")   # backward.libraries.MODULE_NAMES: a backward library's kind
+# (readers refuse a kind they do not know: adding one is a new SCHEMA_VERSION)
 
 
 class PackError(RuntimeError):

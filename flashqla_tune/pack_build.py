@@ -301,8 +301,8 @@ def build_pack(checkpoint, out, tp_sizes=(1,), *, tune: bool = True, budget_s: f
         cal = _calibration(given, calibration, ckpt, sha, staging, seconds, log, corpus=corpus,
                            settings=settings, seq_len=seq_len, max_sequences=max_sequences, batch_size=batch_size,
                            device=device, offload=offload, progress=progress, qkv_dtype=qkv_dtype)
-        # The kernels (nvcc), the backward's kernel libraries (nvcc, one after another) and the C++
-        # host path (the host compiler) need only the spec: side by side.
+        # The kernels (nvcc), the backward's kernel libraries (nvcc) and the C++ host path (the host
+        # compiler) need only the spec: side by side.
         (staging / BINARIES).mkdir()
         with ThreadPoolExecutor(max_workers=2) as pool:
             host_future = pool.submit(_timed, _host_extension, staging, build_host, log)
@@ -420,21 +420,25 @@ def compile_plans(plans, jobs: int | None = None, force: bool = False, progress:
 
 def _backward_libraries(staging: Path, spec: GDNSpec, log) -> tuple[BackwardLibrary, ...]:
     """The backward's kernel libraries (chain, prep and chunk: backward.libraries) for the model's head
-    dims, each built through the kernel cache and copied into the pack's binaries (so a pack's op
-    trains with nothing compiled where it runs). A kind with no library for these head dims is left
-    out, said in the log: the backward runs that part in torch."""
+    dims, built side by side through the kernel cache (one nvcc each) and copied into the pack's
+    binaries (so a pack's op trains with nothing compiled where it runs). A kind with no library for
+    these head dims is left out, said in the log: the backward runs that part in torch."""
     from .backward import libraries
 
     K, V = spec.head_k_dim, spec.head_v_dim
-    records = []
+    wanted = []
     for kind, module in libraries.modules().items():
         try:
-            lib_spec = module.spec_for(K, V)
+            wanted.append((kind, module, module.spec_for(K, V)))
         except ValueError as exc:
             log(f"build: no backward {kind} kernels for K={K}, V={V} ({exc}); the pack's backward runs that "
                 f"part in torch")
-            continue
-        entry, = cache.get_kernels([lib_spec], module.LIBRARIES.renderer, jobs=1)
+    if not wanted:
+        return ()
+    with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+        entries = list(pool.map(lambda w: cache.get_kernels([w[2]], w[1].LIBRARIES.renderer, jobs=1)[0], wanted))
+    records = []
+    for (kind, module, lib_spec), entry in zip(wanted, entries):
         log(f"build: the backward's {kind} kernels {lib_spec.name} ({'built' if entry.built else 'cached'})")
         rel = f"{BINARIES}/{lib_spec.name}.so"
         shutil.copyfile(entry.so_path, staging / rel)

@@ -117,3 +117,31 @@ def test_chain_units_are_powers_of_two_per_sequence_and_head():
     bad = x.clone()
     bad[0, 0, 0, 0] = float("nan")
     assert torch.isnan(chunked_torch._chain_units(grid, bad, None)[0][0, 0]).all()
+
+
+def test_a_failed_library_is_tried_again_once_a_pack_offers_one(tmp_path, monkeypatch):
+    """"auto" remembers a failure (one warning), but a library offered afterwards (a pack loaded) is
+    tried; an offered file that does not match its sha256 is refused each time it is opened."""
+    from flashqla_tune import environment
+    from flashqla_tune.backward.kernel_library import LibraryTable
+
+    table = LibraryTable(chain_kernels.KIND)
+    monkeypatch.setattr(chain_kernels, "LIBRARIES", table)
+    monkeypatch.setattr(chunked_torch, "_LIBRARY_FAILURES", {})
+
+    def no_nvcc(*args, **kwargs):
+        raise environment.ToolchainError("no nvcc here (test double)")
+
+    monkeypatch.setattr(table, "cache_entry", no_nvcc)
+    with pytest.warns(RuntimeWarning, match="no nvcc here"):
+        assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
+    assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # remembered, no second warning
+    changed = tmp_path / "chain.so"
+    changed.write_bytes(b"not the file the pack recorded")
+    chain_kernels.offer_library(chain_kernels.spec_for(128, 128), changed, sha256="0" * 64)
+    with pytest.warns(RuntimeWarning, match="does not match the sha256"):
+        assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
+    assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # that failure is remembered too
+    for _ in range(2):   # still offered: opening it raises every time, never a silent build
+        with pytest.raises(chain_kernels.ChainKernelError, match="does not match the sha256"):
+            chain_kernels.library(chain_kernels.spec_for(128, 128))

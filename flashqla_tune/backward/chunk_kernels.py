@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from . import chain_kernels
 from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
                              OpenedLibrary, check_tensor, ptr, render_template, spec_json, stream_handle)
 
@@ -37,7 +38,7 @@ ABI_VERSION = 1      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
 
 class ChunkKernelError(BackwardKernelError):
     """The per-chunk gradient kernel cannot be built, loaded or launched here; the message says why.
-    A ChainKernelError, so that whoever falls back from the backward's kernels catches both."""
+    A BackwardKernelError, which the backward's fallbacks catch."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,9 @@ class ChunkSpec(LibrarySpec):
 
 
 OPERAND_DTYPE = "float16"
-# The head dims whose library the backward uses (built and checked for spills here, run against
-# float64 on the H200): the chain kernels' (chain_kernels.BACKWARD_DIMS).
-BACKWARD_DIMS = frozenset({(128, 128)})
+# The head dims whose library the backward uses (built and checked for spills, run against float64
+# on the H200): the chain kernels'.
+BACKWARD_DIMS = chain_kernels.BACKWARD_DIMS
 
 
 def spec_for(head_k_dim: int, head_v_dim: int) -> ChunkSpec:

@@ -225,7 +225,7 @@ def uses_chain_kernels(sequential: str, device, compute_dtype, head_k_dim: int, 
     never, "auto" on an sm_90 CUDA device with fp32 compute and head dims the chain library is
     built for (chain_kernels.BACKWARD_DIMS). Under "auto" a library that cannot be built or opened
     there (no nvcc, no pack that carries one) falls back to the loops with a warning
-    (chunk_gated_delta_rule_bwd_torch); under "kernels" it is a ChainKernelError."""
+    (chunk_gated_delta_rule_bwd_torch); under "kernels" it is that library's BackwardKernelError."""
     if sequential not in SEQUENTIAL:
         raise ValueError(f"sequential={sequential!r} must be one of {SEQUENTIAL}")
     if sequential == "torch":
@@ -252,12 +252,16 @@ def _library_or_none(module, sequential: str, K: int, V: int, fallback: str):
     from .kernel_library import BackwardKernelError
 
     spec = module.spec_for(K, V)
-    failed = _LIBRARY_FAILURES.get(spec)
+    failed, held = _LIBRARY_FAILURES.get(spec, (None, False))
+    if failed is not None and not held and module.LIBRARIES.holds(spec):
+        failed = None   # a library offered (a pack loaded) or registered since the failure: try it
     if failed is None:
+        held = module.LIBRARIES.holds(spec)
         try:
             return module.library(spec)
         except BackwardKernelError as exc:
-            failed = _LIBRARY_FAILURES[spec] = exc
+            failed = exc
+            _LIBRARY_FAILURES[spec] = (exc, held)
             if sequential != "kernels":
                 warnings.warn(f"{exc}; {fallback} (the same gradients, slower)", RuntimeWarning, stacklevel=3)
     if sequential == "kernels":
@@ -266,7 +270,7 @@ def _library_or_none(module, sequential: str, K: int, V: int, fallback: str):
 
 
 # The backward libraries that could not be had in this process, by spec (each kind has its own
-# spec type), with why.
+# spec type): (why, whether a library was offered or registered for it when it failed).
 _LIBRARY_FAILURES: dict = {}
 
 
@@ -368,9 +372,7 @@ def chunk_gated_delta_rule_bwd_torch(
 
     def chunks(x):  # [B, T, ...] -> the chunk layout in the compute dtype, one conversion copy and one gather
         rows = x.reshape(B * T, *x.shape[2:])
-        if grid.num_tokens != B * T:   # a host grid over the offsets' tokens only
-            return to_chunks(rows.to(dt), grid)
-        return gather_chunks(padded_rows(rows, dt), grid)
+        return gather_chunks(padded_rows(rows[:grid.num_tokens], dt), grid)  # a host grid: the offsets' tokens
 
     def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
         x = x.to(dt)

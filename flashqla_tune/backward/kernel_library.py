@@ -115,9 +115,13 @@ class OpenedLibrary:
         except (OSError, AttributeError, MalformedLibraryError) as exc:
             raise kind.error(f"cannot load {kind.description} library {self.path}: {exc}") from exc
         self._lib = lib
-        version = getattr(lib, f"{p}_abi_version")()
-        size = getattr(lib, f"{p}_args_bytes")()
-        embedded = json.loads(getattr(lib, f"{p}_spec_json")().decode())
+        try:
+            version = getattr(lib, f"{p}_abi_version")()
+            size = getattr(lib, f"{p}_args_bytes")()
+            embedded = json.loads(getattr(lib, f"{p}_spec_json")().decode())
+        except (AttributeError, UnicodeDecodeError, ValueError) as exc:  # a NULL or malformed embedded spec
+            raise kind.error(f"{kind.description} library {self.path} does not report its spec: "
+                             f"{type(exc).__name__}: {exc}; it is stale or not one of ours") from exc
         want_size = ctypes.sizeof(kind.args_type)
         if version != kind.abi_version or size != want_size or embedded != spec.to_dict():
             raise kind.error(f"{kind.description} library {self.path} (ABI {version}, args {size} bytes, spec "
@@ -157,6 +161,11 @@ class LibraryTable:
                            spec.name)
         return get_kernels([spec], self.renderer, config, root, jobs=1)[0]
 
+    def holds(self, spec) -> bool:
+        """Whether `spec` has a registered, opened or offered library here (one that get() would use
+        before building)."""
+        return spec in self._opened or spec in self._offered
+
     def register(self, spec, so_path: Path) -> OpenedLibrary:
         """Use an already built library for `spec` (one built on another machine), so that nothing is
         built in this process; checked like any other (ELF, ABI, argument size, spec)."""
@@ -181,9 +190,11 @@ class LibraryTable:
             self._offered.clear()
 
     def _open_offered(self, spec) -> OpenedLibrary:
+        """The offered library opened; it stays offered until it opens, so a changed or stale pack
+        file raises every time instead of being passed over for a build."""
         from ..files import sha256_file
 
-        path, sha = self._offered.pop(spec)
+        path, sha = self._offered[spec]
         try:
             actual = sha256_file(path) if sha is not None else None
         except OSError as exc:
@@ -191,7 +202,9 @@ class LibraryTable:
         if actual != sha:
             raise self.kind.error(f"{self.kind.description} library {path} does not match the sha256 its pack "
                                   f"recorded (changed since the pack was loaded)")
-        return OpenedLibrary(self.kind, path, spec)
+        lib = OpenedLibrary(self.kind, path, spec)
+        del self._offered[spec]
+        return lib
 
     def get(self, spec) -> OpenedLibrary:
         """The opened library of `spec`. Raises the kind's error naming the cause when it cannot be
