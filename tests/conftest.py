@@ -20,6 +20,14 @@ def _no_offered_backward_libraries(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def build_cache(tmp_path_factory):
+    """One kernel cache (a FLASHQLA_TUNE_CACHE folder) for the tests that build with nvcc, so a
+    library two of them need (the backward's three, each a minute or more on two cores) is compiled
+    once per run; entries are content-addressed, so sharing them changes no result."""
+    return tmp_path_factory.mktemp("fqt-cache")
+
+
+@pytest.fixture(scope="session")
 def shipped_pack(tmp_path_factory):
     """An untuned pack of the shipped model, built once per pytest run and shared by the GPU modules."""
     pytest.importorskip("transformers")  # the build calibrates the model through its own layers

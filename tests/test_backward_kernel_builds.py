@@ -1,8 +1,8 @@
 """The backward's three kernel libraries (chain, prep, per-chunk gradients) build for sm_90a without a
 GPU, and speak the Python side's ABI.
 
-One module fixture builds the three into one temporary kernel cache, side by side (the tests that
-use it are marked slow: about two minutes on two cores). For each library: ptxas reports no spills,
+One module fixture builds the three side by side into the run's shared build cache (conftest's
+build_cache; the tests that use it are marked slow: about two minutes on two cores). For each library: ptxas reports no spills,
 no stack frame and no serialised wgmma in any of its kernels; SASS holds the wgmma (HGMMA)
 instructions its GEMMs need; opened through ctypes it reports the ABI version, argument struct size
 and spec the Python mirror expects, and refuses to open for another spec ("stale"); a registered
@@ -50,9 +50,10 @@ KINDS = list(LIBRARIES)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """kind -> (the kernel cache root, its cache entry), the three built at once."""
-    root = tmp_path_factory.mktemp("backward_cache")
+def built(build_cache):
+    """kind -> (the kernel cache root, its cache entry), the three built at once into the run's
+    shared build cache (tests/test_pack_build.py's pack then finds them there)."""
+    root = build_cache / "kernels"
     with ThreadPoolExecutor(max_workers=len(LIBRARIES)) as pool:
         futures = {kind: pool.submit(lib.module.LIBRARIES.cache_entry, lib.spec, root)
                    for kind, lib in LIBRARIES.items()}
