@@ -23,10 +23,10 @@ returned, then autograd's backward from (do, dht). Per implementation and row:
 - the reason, when a library is missing or fails on the row (the row goes on without it).
 Also the one-layer figure: 16/32 heads on 1x32768, ms and tokens per second of the step (the
 row's own numbers when it is in the grid, else timed after the grid). --graph adds the median
-CUDA-graph replay of our step (a failed capture is reported, never fatal). --budget-s stops
-starting rows in time for the tables to be written; --prewarm first runs every row's step once
-per head configuration in parallel processes (JIT compiles: FlashQLA's TileLang kernels per head
-count, FLA's Triton kernels, our plans).
+CUDA-graph replay of our step, its offsets on the device only (a failed capture is reported,
+never fatal). --budget-s stops starting rows in time for the tables to be written; --prewarm
+first runs every row's step once per head configuration in parallel processes (JIT compiles:
+FlashQLA's TileLang kernels per head count, FLA's Triton kernels, our plans).
 
 FLA: the forward and backward of fla.ops.gated_delta_rule.chunk_gated_delta_rule. On Hopper with
 Triton >= 3.4 and < 3.7.1 FLA's Triton chunk_bwd_dqkwg raises for gated inputs unless its TileLang
@@ -291,13 +291,14 @@ def make_sets(case, device, seed: int, count: int = SETS_PER_ROW):
     return sets
 
 
-def step(impl: StepImpl, x) -> None:
-    """Gradients cleared, the saving forward, the backward from (do, dht)."""
+def step(impl: StepImpl, x, host_offsets: bool = True) -> None:
+    """Gradients cleared, the saving forward, the backward from (do, dht). host_offsets: the offsets'
+    host copy (cu_seqlens_cpu) is passed too where the implementation takes it."""
     import torch
 
     for name in GRADIENTS:
         getattr(x, name).grad = None
-    kw = {"cu_seqlens_cpu": x.cu_seqlens_cpu} if impl.takes_cu_seqlens_cpu else {}
+    kw = {"cu_seqlens_cpu": x.cu_seqlens_cpu} if impl.takes_cu_seqlens_cpu and host_offsets else {}
     o, final = impl.fn(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.initial_state,
                        output_final_state=True, cu_seqlens=x.cu_seqlens_long, **kw)
     torch.autograd.backward([o, final], [x.extra["do"], x.extra["dht"]])
@@ -391,14 +392,16 @@ def run_row(case, impls, timer, seed: int, accuracy_max_tokens: int, cuda: bool,
 
 
 def graph_ms(impl: StepImpl, case, seed: int) -> dict:
-    """Our step captured in one CUDA graph over the row's sets, replayed (a failed capture is reported)."""
+    """Our step captured in one CUDA graph over the row's sets, replayed (a failed capture is reported).
+    The captured step has its offsets on the device alone, as a captured training step has them: a
+    host tensor's copy to the device cannot be captured."""
     from flashqla_tune.measure.timing import CudaTimer
 
     sets = make_sets(case, "cuda", seed)
     timer = CudaTimer(budget_s=0.3)
     try:
-        timer.warmup(lambda x: step(impl, x), sets)
-        t = timer.graph(lambda x: step(impl, x), sets)
+        timer.warmup(lambda x: step(impl, x, host_offsets=False), sets)
+        t = timer.graph(lambda x: step(impl, x, host_offsets=False), sets)
     except Exception as exc:
         return {"row": case.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return {"row": case.name, "ms": t.median_ms, "error": t.error}

@@ -45,6 +45,11 @@
 #                                              Triton kernels with its TileLang chunk_bwd_dqkwg, FlashQLA's
 #                                              backend off): $OUT/gpu_tests_backward.log
 #                                              (published: docs/results/gpu-tests-backward.log)
+#   bash benchmarks/h200_steps.sh backward-variants [ARGS]   the per-chunk kernel's library variants (one
+#                                              or two warp groups a CTA) timed on the same inputs:
+#                                              benchmarks/backward_chunk_variants.py with ARGS (--heads, --tokens):
+#                                              $OUT/bwd/backward_chunk_variants.json, $OUT/backward_chunk_variants.log
+#                                              (published: docs/results/backward-chunk-variants.{json,log})
 #   bash benchmarks/h200_steps.sh gate-tests   tests/test_gpu_gate_options.py, FLA's in-kernel gate and beta
 #                                              options against the float64 oracle beside FLA's own:
 #                                              $OUT/gpu_tests_gates.log (published: docs/results/gpu-tests-gates.log)
@@ -62,10 +67,10 @@ mkdir -p "$OUT"
 STEP=${1:-tests}
 case "$STEP" in
   setup|tests|tests-x2|gpu-tests|half|pair-score|join|host|host-ab|kernel-split|flashinfer-stage|flashinfer-rows|cold-start) ;;
-  backward-tests|backward-bench|train-compare|gate-tests) ;;
+  backward-tests|backward-variants|backward-bench|train-compare|gate-tests) ;;
   *) echo "unknown step '$STEP' (setup | tests | tests-x2 | gpu-tests | half | pair-score | join | host |" \
        "host-ab | kernel-split | flashinfer-stage | flashinfer-rows | cold-start | backward-tests |" \
-       "backward-bench | train-compare | gate-tests)" >&2
+       "backward-variants | backward-bench | train-compare | gate-tests)" >&2
      exit 2 ;;
 esac
 
@@ -152,15 +157,17 @@ parallel_gpu_tests() {
   echo "${#ids[@]} tests in $w processes:"; grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$log"
   grep -E "^FAILED" "$log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
 }
-# The backward's chain, prep and per-chunk gradient libraries for K = V = 128 in the kernel cache
-# (built side by side where missing), with each one's registers and shared memory.
+# The backward's chain, prep and per-chunk gradient libraries for K = V = 128 in the kernel cache,
+# and the per-chunk kernel's other variant (one warp group a CTA), built side by side where
+# missing, with each one's registers and spills.
 backward_libraries() {
   python3 - <<'PY'
 from concurrent.futures import ThreadPoolExecutor
 from flashqla_tune.backward import chain_kernels, chunk_kernels, prep_kernels
-mods = (chain_kernels, prep_kernels, chunk_kernels)
-with ThreadPoolExecutor(len(mods)) as pool:
-    entries = list(pool.map(lambda m: m.LIBRARIES.cache_entry(m.spec_for(128, 128)), mods))
+wanted = [(m, m.spec_for(128, 128)) for m in (chain_kernels, prep_kernels, chunk_kernels)]
+wanted += [(chunk_kernels, s) for s in (chunk_kernels.ChunkSpec(warp_groups=n) for n in (1, 2)) if s != wanted[-1][1]]
+with ThreadPoolExecutor(len(wanted)) as pool:
+    entries = list(pool.map(lambda ms: ms[0].LIBRARIES.cache_entry(ms[1]), wanted))
 for e in entries:
     for name, info in e.resources.items():
         if info.get("entry"):
@@ -256,6 +263,12 @@ case "$STEP" in
       tests/test_gpu_backward_chunk.py tests/test_gpu_backward.py ;;
   gate-tests)
     parallel_gpu_tests "$OUT/gpu_tests_gates.log" "${TESTS_TIMEOUT_S:-480}" tests/test_gpu_gate_options.py ;;
+  backward-variants)
+    # the per-chunk kernel's library variants timed on the same inputs
+    backward_libraries
+    timeout "${VARIANTS_TIMEOUT_S:-240}" python3 -P benchmarks/backward_chunk_variants.py "$OUT/bwd" "${@:2}" \
+      2>&1 | tee "$OUT/backward_chunk_variants.log"
+    echo "backward-variants rc=${PIPESTATUS[0]}" ;;
   backward-bench)
     # the script sets FLA's environment itself (--fla-dispatch) before it imports FLA
     timeout "${BWD_TIMEOUT_S:-560}" python3 -P benchmarks/backward_bench.py "$OUT/bwd" --prewarm "${@:2}" \

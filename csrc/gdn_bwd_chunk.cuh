@@ -1,6 +1,8 @@
 // Step 3 of the GDN backward on Hopper: the per-chunk gradients, once the chains
 // (gdn_bwd_chain.cuh) have given every chunk's incoming state S_c and outgoing state gradient
-// dS_{c+1}. One CTA of one warp group per (chunk, v-head), no loop over chunks.
+// dS_{c+1}. One CTA per (chunk, v-head), no loop over chunks, of one or two warp groups
+// (ChunkGradConfig::Groups): two split the columns of every GEMM's output between them, so each
+// SM scheduler has two warps to switch between and the two halves' GEMMs and epilogues overlap.
 //
 // Per chunk of 64 tokens and v-head (docs/backward.md "What the backward computes"; the torch code
 // of flashqla_tune/backward/chunked_torch.py step 3, per_chunk_gradients, is the specification),
@@ -42,11 +44,15 @@
 //
 // Shared memory holds every operand as a 16-bit tile in one physical form, row-major with the
 // 128-byte swizzle (GMMA K-major atoms: rows x columns, columns contiguous); the transposed uses
-// (A^T as an A operand, an MN-major B operand) are views of the same bytes. fp32 inputs are read
-// once from global memory by all 128 threads, scaled, rounded and stored into their tile; the
-// CTA's per-row sums stay in the registers of the quad that owns the row, its per-column sums go
-// to one row of shared memory per warp, added in a fixed order at the end: no atomics, so a
-// chunk's gradients are the same bits from run to run and however the batch around it is made.
+// (A^T as an A operand, an MN-major B operand) are views of the same bytes, and a warp group's B
+// operand is a block of whole swizzle atoms of them (8 rows of a K-major B, 64 columns of an
+// MN-major one). An operand that a GEMM needs whole but two warp groups computed in halves (dQK,
+// dw, Y, dLb) goes through its tile, made visible by a CTA barrier. fp32 inputs are read once from
+// global memory by all threads, scaled, rounded and stored into their tile; per-row sums stay in
+// the registers of the quad that owns the row (one partial per warp group, added in group order at
+// the end), per-column sums go to one row of shared memory per warp, added in a fixed order: no
+// atomics, so a chunk's gradients are the same bits from run to run and however the batch around
+// it is made.
 #pragma once
 #include "gdn_driver_entry.cuh"  // first: before any CUTLASS header
 #include <stdint.h>
@@ -55,7 +61,6 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
-#include "gdn_bwd_chain.cuh"  // chain_operand: an accumulator into the next wgmma's A fragment
 #include "gdn_sequences.cuh"  // kChunk
 #include "gdn_wgmma.cuh"
 
@@ -63,21 +68,26 @@ namespace fqt {
 
 using namespace cute;
 
-// The CTA is one warp group; its four warps hold 16 rows each of every (64, N) accumulator.
-constexpr int kChunkGradWarps = 4;
-
 template <class Cfg>
 struct ChunkGradSharedStorage;
 
-template <class Elem_, int HeadK_, int HeadV_>
+template <class Elem_, int HeadK_, int HeadV_, int Groups_>
 struct ChunkGradConfig {
   using Elem = Elem_;
-  static constexpr int HeadK = HeadK_, HeadV = HeadV_;
+  static constexpr int HeadK = HeadK_, HeadV = HeadV_, Groups = Groups_;
   static_assert(sizeof(Elem) == 2, "the wgmma operands are 16-bit (fp16 or bf16)");
   static_assert(HeadK % 64 == 0 && HeadK <= 128 && HeadV % 64 == 0 && HeadV <= 128,
                 "K and V are 64 or 128: whole swizzle atoms, and 64 x K and 64 x V fp32 accumulators "
                 "in one warp group's registers");
-  static constexpr int Threads = 32 * kChunkGradWarps;  // one warp group: wgmma M = 64 = the chunk's tokens
+  static_assert(Groups == 1 || Groups == 2, "one or two warp groups");
+  static_assert(Groups == 1 || (HeadK == 128 && HeadV == 128),
+                "two warp groups take 64 of the K and V columns each: an MN-major B operand's block is "
+                "whole 64-column swizzle atoms, so K = V = 128");
+  static constexpr int Threads = 128 * Groups;  // a warp group: wgmma M = 64 = the chunk's tokens
+  static constexpr int Warps = 4 * Groups;
+  // The output columns each warp group computes: of a (64, 64) token x token output, of a
+  // (64, K) and of a (64, V) one.
+  static constexpr int NC = kChunk / Groups, NK = HeadK / Groups, NV = HeadV / Groups;
 
   using C64 = Int<kChunk>;
 
@@ -86,31 +96,39 @@ struct ChunkGradConfig {
   using Tile = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<R>, Int<C>>{}));
   template <int R, int C>
   using TileT = decltype(composition(Tile<R, C>{}, make_layout(Shape<Int<C>, Int<R>>{}, GenRowMajor{})));
+  // The first NB rows of a Tile<R, C> (a K-major B operand's block; NB % 8 == 0), and the first NB
+  // rows of a TileT<R, C> (NB of the physical columns: an MN-major B operand's block; NB % 64 == 0).
+  // A later block is the same layout from a later address (row_block, col_block).
+  template <int R, int C, int NB>
+  using TileRows = decltype(composition(Tile<R, C>{}, Layout<Shape<Int<NB>, Int<C>>, Stride<_1, Int<R>>>{}));
+  template <int R, int C, int NB>
+  using TileTRows = decltype(composition(TileT<R, C>{}, Layout<Shape<Int<NB>, Int<R>>, Stride<_1, Int<C>>>{}));
 
   // (64, N) += (64, Kd) (N, Kd)^T, both operands in shared memory.
   template <int N, int Kd, GMMA::Major MA, GMMA::Major MB>
   using MmaSS = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Elem, Elem, float, Shape<C64, Int<N>, Int<Kd>>, MA, MB>()));
-  // The same with A from registers (K-major).
-  template <int N, int Kd, GMMA::Major MB>
-  using MmaRS = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Elem, Elem, float, Shape<C64, Int<N>, Int<Kd>>, GMMA::Major::K, MB>()));
 
   static constexpr auto KM = GMMA::Major::K;
   static constexpr auto MN = GMMA::Major::MN;
-  using MmaTokTokK = MmaSS<kChunk, HeadK, KM, KM>;   // Q K^T, K K^T: (t, s) over k
-  using MmaTokTokV = MmaSS<kChunk, HeadV, KM, KM>;   // dO Vn^T, dVn V^T: (t, s) over v
-  using MmaTokKV = MmaSS<HeadK, HeadV, KM, KM>;      // dO S^T, dVn S^T, Vn dS'^T: (t, k) over v
-  using MmaTokKTok = MmaSS<HeadK, kChunk, MN, MN>;   // T^T dw, dLb^T K, dQK^T Q: (s, k) over t
-  using MmaTokVTok = MmaSS<HeadV, kChunk, MN, MN>;   // T^T dVn: (s, v) over t
-  using MmaTokTokTok = MmaSS<kChunk, kChunk, MN, MN>;  // A0^T X: (i, m) over l
-  using MmaRegTokK = MmaRS<kChunk, HeadK, KM>;       // dw K^T: (t, s) over k
-  using MmaRegKTok = MmaRS<HeadK, kChunk, MN>;       // dQK K, dLb K: (t, k) over s
-  using MmaRegTokTok = MmaRS<kChunk, kChunk, KM>;    // (A0^T X) A0^T: (i, j) over m
+  using MmaTokTokV = MmaSS<NC, HeadV, KM, KM>;    // dO Vn^T, dVn V^T: (t, s) over v
+  using MmaTokTokK = MmaSS<NC, HeadK, KM, KM>;    // Q K^T, K K^T, dw K^T: (t, s) over k
+  using MmaTokKV = MmaSS<NK, HeadV, KM, KM>;      // dO S^T, dVn S^T, Vn dS'^T: (t, k) over v
+  using MmaTokKTok = MmaSS<NK, kChunk, KM, MN>;   // dQK K, dLb K: (t, k) over s
+  using MmaTokKTokT = MmaSS<NK, kChunk, MN, MN>;  // T^T dw, dLb^T K, dQK^T Q: (s, k) over t
+  using MmaTokVTokT = MmaSS<NV, kChunk, MN, MN>;  // T^T dVn: (s, v) over t
+  using MmaTokTokTokT = MmaSS<NC, kChunk, MN, KM>;  // A0^T X: (i, m) over l, X^T's rows the B
+  using MmaTokTokTok = MmaSS<NC, kChunk, KM, KM>;   // Y A0^T: (i, j) over m
 
   using SharedStorage = ChunkGradSharedStorage<ChunkGradConfig>;
   static constexpr int SmemBytes = int(sizeof(SharedStorage));
 };
+
+// Where block `b` of NB rows (row_block) or of NB physical columns (col_block, a TileT's rows)
+// starts in a tile of R rows, in elements.
+__host__ __device__ __forceinline__ int row_block(int b, int nb) { return b * nb * 64; }
+template <int R>
+__host__ __device__ __forceinline__ int col_block(int b, int nb) { return b * (nb / 64) * R * 64; }
 
 // Where a strided per-chunk input keeps (chunk, head, row): element strides, columns contiguous.
 // The batched backward's inputs are views of token rows ([chunks, 64, H, D] in memory), read in
@@ -152,10 +170,10 @@ struct ChunkGradParams {
 template <class Cfg>
 struct alignas(1024) ChunkGradSharedStorage {
   using Elem = typename Cfg::Elem;
-  static constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk;
+  static constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk, W = Cfg::Warps;
   cute::array_aligned<Elem, C * K, 1024> q, k, dw;
   cute::array_aligned<Elem, C * V, 1024> v, dout, vn, dvn;
-  // S_c; once dw is computed (its last reader), X = dA * Gamma and dLb in its first 2 x 64 x 64
+  // S_c; once dw is computed (its last reader), X^T, Y = A0^T X and dLb in its first 3 x 64 x 64
   // where they fit (not at K = V = 64: there they have their own)
   cute::array_aligned<Elem, K * V, 1024> state;
   cute::array_aligned<Elem, K * V, 1024> dstate;
@@ -163,22 +181,27 @@ struct alignas(1024) ChunkGradSharedStorage {
   float gamma[C], beta[C];
   // per warp (summed in a fixed order at the end, so the gradients are deterministic): sums over
   // rows of the terms of dgamma that are column sums, and of dbeta
-  float col_gamma[kChunkGradWarps][C];
-  float col_beta[kChunkGradWarps][C];
-  float row_gamma[C], row_beta[C];
-  float reduce[4];
+  float col_gamma[W][C];
+  float col_beta[W][C];
+  // per warp group: its columns' share of each row's sums
+  float row_gamma[Cfg::Groups][C], row_beta[Cfg::Groups][C];
+  float reduce[W];
   float tail;          // sum(df) + e^{gamma_C} <dS', S>, added to dgamma of the chunk's last slot
-  static constexpr bool kScratchInState = 2 * C * C <= K * V;
-  cute::array_aligned<Elem, kScratchInState ? 8 : 2 * C * C, 1024> scratch_own;
-  // X, then dLb C * C further
+  static constexpr bool kScratchInState = 3 * C * C <= K * V;
+  cute::array_aligned<Elem, kScratchInState ? 8 : 3 * C * C, 1024> scratch_own;
   __device__ __forceinline__ Elem* scratch() { return kScratchInState ? state.data() : scratch_own.data(); }
+  __device__ __forceinline__ Elem* xt() { return scratch(); }           // X^T (m, l)
+  __device__ __forceinline__ Elem* y() { return scratch() + C * C; }    // Y (i, m)
+  __device__ __forceinline__ Elem* dlb() { return scratch() + 2 * C * C; }  // dLb (i, j)
 };
 
 // ---------------------------------------------------------------- CTA-wide helpers
 
-// The largest |x| (op = max) or the sum (op = sum) of every thread's `x`, returned to all threads.
-template <bool Max>
+// The largest |x| (op = max) or the sum (op = sum) of every thread's `x` over the CTA's Warps
+// warps, returned to all threads, in a fixed order.
+template <bool Max, int Warps>
 __device__ __forceinline__ float cta_reduce(float x, float* scratch) {
+  static_assert(Warps == 4 || Warps == 8, "a fixed pairwise order over 4 or 8 warps");
   CUTE_UNROLL
   for (int o = 16; o > 0; o >>= 1) {
     const float y = __shfl_xor_sync(0xffffffffu, x, o);
@@ -187,8 +210,10 @@ __device__ __forceinline__ float cta_reduce(float x, float* scratch) {
   __syncthreads();  // the previous reduction's readers are done with scratch
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
   __syncthreads();
-  return Max ? fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]))
-             : (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
+  auto both = [](float a, float b) { return Max ? fmaxf(a, b) : a + b; };
+  float r = both(both(scratch[0], scratch[1]), both(scratch[2], scratch[3]));
+  if constexpr (Warps == 8) r = both(r, both(both(scratch[4], scratch[5]), both(scratch[6], scratch[7])));
+  return r;
 }
 
 // The power of two that takes `amax` into [1, 2) (exponent clamped to [-64, 64]); 1 where amax is
@@ -203,7 +228,7 @@ __device__ __forceinline__ float unit_scale(float amax) {
 // places it: 64-column atoms of R rows, 64 elements a row, and the 128-byte swizzle XORs the
 // 16-byte piece's index within the row with the row's index mod 8. Written out so that the address
 // of a thread's accumulator elements costs a few integer operations on 32-bit offsets
-// (tests/test_backward_chunk_build.py checks it against the CuTe layout).
+// (tests/test_backward_chunk_kernels.py checks it against the CuTe layout).
 template <int R>
 __host__ __device__ __forceinline__ int tile_offset(int r, int c) {
   static_assert(R % 8 == 0, "whole swizzle atoms of 8 rows");
@@ -211,19 +236,17 @@ __host__ __device__ __forceinline__ int tile_offset(int r, int c) {
 }
 
 // The offsets in a Tile<R, .> of one thread's accumulator elements. The wgmma accumulator puts a
-// thread's elements at rows r0 + 8 i and columns c0 + 8 j + b, c0 < 8 and b < 2 (see below), so
-// every element has the swizzle's row term r0 mod 8 of the thread's first element (r0, c0) and
-// differs from it by constants but for the 16-byte piece index j mod 8 that the swizzle XORs.
+// thread's elements at rows r0 + 8 i (see below), so every element has the swizzle's row term
+// r0 mod 8 of the thread's first element, which only the 16-byte piece index (bits 3-5 of the
+// column within its atom) sees.
 template <int R>
 struct AccTileOffsets {
-  int r0, c0, base, x8;
+  int x8;
   template <class Crd>
-  __host__ __device__ __forceinline__ explicit AccTileOffsets(const Crd& crd)
-      : r0(get<0>(crd(0))), c0(get<1>(crd(0))), base(r0 * 64 + c0), x8((r0 & 7) << 3) {}
-  // tile_offset<R>(r, c) for the element (r, c) = (r0 + dr, c0 + dc); dr % 8 == 0
+  __host__ __device__ __forceinline__ explicit AccTileOffsets(const Crd& crd) : x8((get<0>(crd(0)) & 7) << 3) {}
+  // tile_offset<R>(r, c) for a row r of the thread's
   __host__ __device__ __forceinline__ int operator()(int r, int c) const {
-    const int dr = r - r0, dc = c - c0;
-    return base + (dc >> 6) * (R * 64) + dr * 64 + (dc & 7) + ((((dc >> 3) & 7) << 3) ^ x8);
+    return (c >> 6) * (R * 64) + r * 64 + ((c & 63) ^ x8);
   }
 };
 
@@ -247,15 +270,15 @@ __device__ __forceinline__ void prefetch_at_l2(const void* src) {
 }
 
 // A strided fp32 [64, D] tile (rows `row_stride` elements apart), one prefetch per 32-byte sector
-// (whether a prefetch brings more is not specified), spread over the 128 threads.
-template <int D>
+// (whether a prefetch brings more is not specified), spread over the CTA's threads.
+template <int D, int Threads>
 __device__ __forceinline__ void prefetch_rows_l2(const float* g, int64_t row_stride) {
   constexpr int kSectorsPerRow = D * int(sizeof(float)) / 32;
-  static_assert(kSectorsPerRow * 32 == D * int(sizeof(float)) && kChunk * kSectorsPerRow % 128 == 0,
+  static_assert(kSectorsPerRow * 32 == D * int(sizeof(float)) && kChunk * kSectorsPerRow % Threads == 0,
                 "rows of whole sectors, as many for every thread");
   CUTE_UNROLL
-  for (int j = 0; j < kChunk * kSectorsPerRow / 128; ++j) {
-    const int i = threadIdx.x + 128 * j;
+  for (int j = 0; j < kChunk * kSectorsPerRow / Threads; ++j) {
+    const int i = threadIdx.x + Threads * j;
     prefetch_at_l2(g + (i / kSectorsPerRow) * row_stride + (i % kSectorsPerRow) * 8);
   }
 }
@@ -267,34 +290,34 @@ __device__ __forceinline__ float4 load4(const float* g, int64_t row_stride, int 
 }
 
 // An fp32 [R, C] tile from global memory into its 16-bit shared tile, times `scale`.
-template <int R, int C, class STile>
+template <int R, int C, int Threads, class STile>
 __device__ __forceinline__ void stage_scaled(STile s, const float* g, int64_t row_stride, float scale) {
-  constexpr int kPerThread = R * C / 4 / 128;
-  static_assert(kPerThread * 4 * 128 == R * C, "a tile is whole float4 rows of the 128 threads");
+  constexpr int kPerThread = R * C / 4 / Threads;
+  static_assert(kPerThread * 4 * Threads == R * C, "a tile is whole float4 rows of the threads");
 #pragma unroll 8
   for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + 128 * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
+    const int idx = threadIdx.x + Threads * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
     store4(s, r, c, load4(g, row_stride, r, c), scale);
   }
 }
 
 // The same for a tile that brings its own scale: returns it (unit_scale of the tile's largest |x|).
-template <int R, int C, class STile>
+template <int R, int C, int Threads, class STile>
 __device__ __forceinline__ float stage_normalised(STile s, const float* g, int64_t row_stride, float* scratch) {
-  constexpr int kPerThread = R * C / 4 / 128;
-  static_assert(kPerThread * 4 * 128 == R * C, "a tile is whole float4 rows of the 128 threads");
+  constexpr int kPerThread = R * C / 4 / Threads;
+  static_assert(kPerThread * 4 * Threads == R * C, "a tile is whole float4 rows of the threads");
   float4 x[kPerThread];
   float amax = 0.f;
   CUTE_UNROLL
   for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + 128 * j;
+    const int idx = threadIdx.x + Threads * j;
     x[j] = load4(g, row_stride, idx / (C / 4), idx % (C / 4) * 4);
     amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[j].x), fabsf(x[j].y)), fmaxf(fabsf(x[j].z), fabsf(x[j].w))));
   }
-  const float scale = unit_scale(cta_reduce<true>(amax, scratch));
+  const float scale = unit_scale(cta_reduce<true, Threads / 32>(amax, scratch));
   CUTE_UNROLL
   for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + 128 * j;
+    const int idx = threadIdx.x + Threads * j;
     store4(s, idx / (C / 4), idx % (C / 4) * 4, x[j], scale);
   }
   return scale;
@@ -302,9 +325,10 @@ __device__ __forceinline__ float stage_normalised(STile s, const float* g, int64
 
 // ---------------------------------------------------------------- accumulator helpers
 //
-// The SM90 wgmma accumulator of a (64, N) tile: warp w holds rows 16 w .. 16 w + 15, the quad of
-// lanes 4 i .. 4 i + 3 rows 16 w + i and 16 w + i + 8, each lane of the quad its own columns. So a
-// row's sum is the quad's (two lane shuffles) and a column's sum the eight quads' of every warp.
+// The SM90 wgmma accumulator of a (64, N) tile: warp w of the warp group holds rows 16 w .. 16 w +
+// 15, the quad of lanes 4 i .. 4 i + 3 rows 16 w + i and 16 w + i + 8, each lane of the quad its
+// own columns. So a row's sum over the warp group's columns is the quad's (two lane shuffles) and
+// a column's sum the eight quads' of every warp of the group.
 
 // Adds each of this thread's two rows' sums of value(e) over its elements e into row[2] (row 0:
 // the thread's first row, row 1: eight below), summed over the quad.
@@ -343,7 +367,7 @@ __device__ __forceinline__ void add_col_sums(const Crd& crd, F value, float (*co
 }
 
 // An accumulator into a 16-bit Tile<R, .> of the same (rows, cols) at `base` (pairs of
-// neighbouring columns).
+// neighbouring columns), or into the transposed tile (cols, rows): element (r, c) at (c, r).
 template <int R, class Acc, class Crd, class Elem>
 __device__ __forceinline__ void store_tile(const Acc& acc, const Crd& crd, Elem* base) {
   const AccTileOffsets<R> at(crd);
@@ -351,6 +375,11 @@ __device__ __forceinline__ void store_tile(const Acc& acc, const Crd& crd, Elem*
   for (int e = 0; e < size(acc); e += 2)
     *reinterpret_cast<uint32_t*>(base + at(get<0>(crd(e)), get<1>(crd(e)))) =
         pack2<Elem>(acc(e), acc(e + 1));
+}
+template <int R, class Acc, class Crd, class Elem>
+__device__ __forceinline__ void store_tile_transposed(const Acc& acc, const Crd& crd, Elem* base) {
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); ++e) base[tile_offset<R>(get<1>(crd(e)), get<0>(crd(e)))] = Elem(acc(e));
 }
 
 // An accumulator times `scale` into rows of C fp32 values at out (pairs of neighbouring columns).
@@ -370,28 +399,17 @@ __device__ __forceinline__ void scale_acc(Acc& acc, float s) {
   for (int e = 0; e < size(acc); ++e) acc(e) *= s;
 }
 
+// This thread's index in its warp group: the wgmma partitions' thread.
+__device__ __forceinline__ int group_thread() { return threadIdx.x % 128; }
+
 // acc (+)= A B with both operands in shared memory (A: (64, Kd) view, B: (N, Kd) view); waits.
 template <class Mma, class SA, class SB, class Acc>
 __device__ __forceinline__ void gemm_ss(const SA& sA, const SB& sB, Acc& acc, bool zero_init) {
   Mma mma;
-  auto thr = mma.get_thread_slice(threadIdx.x);
+  auto thr = mma.get_thread_slice(group_thread());
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   wgmma_gemm(mma, thr.partition_fragment_A(sA), thr.partition_fragment_B(sB), acc, zero_init);
-  warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-}
-
-// acc (+)= A B with A a register fragment; waits.
-template <class Mma, class FA, class SB, class Acc>
-__device__ __forceinline__ void gemm_rs(FA& fA, const SB& sB, Acc& acc, bool zero_init) {
-  Mma mma;
-  auto thr = mma.get_thread_slice(threadIdx.x);
-  warpgroup_fence_operand(fA);
-  warpgroup_fence_operand(acc);
-  warpgroup_arrive();
-  wgmma_gemm(mma, fA, thr.partition_fragment_B(sB), acc, zero_init);
   warpgroup_commit_batch();
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
@@ -401,15 +419,12 @@ template <class Mma, int N>
 __device__ __forceinline__ auto make_acc() {
   return partition_fragment_C(Mma{}, Shape<Int<kChunk>, Int<N>>{});
 }
+// The (row, column) of each of this thread's elements of a (64, N) accumulator whose column 0 is
+// the output's column col0 (the warp group's block).
 template <class Mma, int N>
-__device__ __forceinline__ auto acc_coords() {
-  return Mma{}.get_thread_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kChunk>, Int<N>>{}));
-}
-// The A fragment of an rs wgmma of (64, Kd) operands.
-template <class Mma, int Kd, class Elem>
-__device__ __forceinline__ auto make_operand() {
-  return make_tensor<Elem>(
-      shape(Mma{}.get_thread_slice(threadIdx.x).partition_A(make_identity_tensor(Shape<Int<kChunk>, Int<Kd>>{}))));
+__device__ __forceinline__ auto acc_coords(int col0) {
+  return Mma{}.get_thread_slice(group_thread()).partition_C(
+      domain_offset(make_coord(0, col0), make_identity_tensor(Shape<Int<kChunk>, Int<N>>{})));
 }
 
 // After the threads' generic-proxy stores into operand tiles: visible to the next wgmma.
@@ -420,12 +435,13 @@ __device__ __forceinline__ void operands_ready() {
 
 // ---------------------------------------------------------------- the kernel
 
-// Grid: x = chunk * Hv + v-head. Block: 128 threads.
+// Grid: x = chunk * Hv + v-head. Block: Cfg::Threads threads.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::Threads, 1)
     gdn_bwd_chunk_kernel(CUTE_GRID_CONSTANT const ChunkGradParams<Cfg> p) {
   using Elem = typename Cfg::Elem;
-  constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk;
+  constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk, T = Cfg::Threads, W = Cfg::Warps;
+  constexpr int NC = Cfg::NC, NK = Cfg::NK, NV = Cfg::NV;
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
   const int64_t tile = blockIdx.x;
@@ -433,36 +449,49 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   const int64_t chunk = tile / p.num_heads;
   const int hq = hv / (p.num_heads / p.num_qk_heads);  // the v-head's q/k head
   const int tid = threadIdx.x;
+  const int group = tid / 128;  // this warp group's block of every output's columns
+  const int cc0 = group * NC, ck0 = group * NK, cv0 = group * NV;
 
   using TileCK = typename Cfg::template Tile<C, K>;
   using TileCV = typename Cfg::template Tile<C, V>;
   using TileKV = typename Cfg::template Tile<K, V>;
   using TileCC = typename Cfg::template Tile<C, C>;
-  using TileCKt = typename Cfg::template TileT<C, K>;
-  using TileCVt = typename Cfg::template TileT<C, V>;
   using TileCCt = typename Cfg::template TileT<C, C>;
   auto tile_of = [](Elem* ptr, auto layout) { return make_tensor(make_smem_ptr(ptr), layout); };
+  // whole operands
   Tensor sQ = tile_of(ss.q.data(), TileCK{});
-  Tensor sQt = tile_of(ss.q.data(), TileCKt{});
   Tensor sK = tile_of(ss.k.data(), TileCK{});
-  Tensor sKt = tile_of(ss.k.data(), TileCKt{});
-  Tensor sDWt = tile_of(ss.dw.data(), TileCKt{});
+  Tensor sDW = tile_of(ss.dw.data(), TileCK{});
   Tensor sV = tile_of(ss.v.data(), TileCV{});
   Tensor sDO = tile_of(ss.dout.data(), TileCV{});
   Tensor sVn = tile_of(ss.vn.data(), TileCV{});
   Tensor sDVn = tile_of(ss.dvn.data(), TileCV{});
-  Tensor sDVnt = tile_of(ss.dvn.data(), TileCVt{});
   Tensor sS = tile_of(ss.state.data(), TileKV{});
   Tensor sDS = tile_of(ss.dstate.data(), TileKV{});
   Tensor sA0 = tile_of(ss.a0.data(), TileCC{});
+  Tensor sT = tile_of(ss.t.data(), TileCC{});
+  Tensor sTd = tile_of(ss.td.data(), TileCC{});
+  Tensor sDQK = tile_of(ss.dqk.data(), TileCC{});
+  Tensor sY = tile_of(ss.y(), TileCC{});
+  Tensor sDLb = tile_of(ss.dlb(), TileCC{});
   Tensor sA0t = tile_of(ss.a0.data(), TileCCt{});
   Tensor sTt = tile_of(ss.t.data(), TileCCt{});
   Tensor sTdt = tile_of(ss.td.data(), TileCCt{});
-  Tensor sT = tile_of(ss.t.data(), TileCC{});
-  Tensor sTd = tile_of(ss.td.data(), TileCC{});
   Tensor sDQKt = tile_of(ss.dqk.data(), TileCCt{});
-  Tensor sXt = tile_of(ss.scratch(), TileCCt{});
-  Tensor sDLbt = tile_of(ss.scratch() + C * C, TileCCt{});
+  Tensor sDLbt = tile_of(ss.dlb(), TileCCt{});
+  // this warp group's B operands: rows [cc0, cc0 + NC) of the (s, .) tiles, rows [ck0, ck0 + NK) of
+  // the (k, v) states, and columns [ck0, ck0 + NK) or [cv0, cv0 + NV) of the (t, k), (t, v) tiles
+  Tensor sVnB = tile_of(ss.vn.data() + row_block(group, NC), typename Cfg::template TileRows<C, V, NC>{});
+  Tensor sVB = tile_of(ss.v.data() + row_block(group, NC), typename Cfg::template TileRows<C, V, NC>{});
+  Tensor sKB = tile_of(ss.k.data() + row_block(group, NC), typename Cfg::template TileRows<C, K, NC>{});
+  Tensor sXtB = tile_of(ss.xt() + row_block(group, NC), typename Cfg::template TileRows<C, C, NC>{});
+  Tensor sA0B = tile_of(ss.a0.data() + row_block(group, NC), typename Cfg::template TileRows<C, C, NC>{});
+  Tensor sSB = tile_of(ss.state.data() + row_block(group, NK), typename Cfg::template TileRows<K, V, NK>{});
+  Tensor sDSB = tile_of(ss.dstate.data() + row_block(group, NK), typename Cfg::template TileRows<K, V, NK>{});
+  Tensor sKtB = tile_of(ss.k.data() + col_block<C>(group, NK), typename Cfg::template TileTRows<C, K, NK>{});
+  Tensor sQtB = tile_of(ss.q.data() + col_block<C>(group, NK), typename Cfg::template TileTRows<C, K, NK>{});
+  Tensor sDWtB = tile_of(ss.dw.data() + col_block<C>(group, NK), typename Cfg::template TileTRows<C, K, NK>{});
+  Tensor sDVntB = tile_of(ss.dvn.data() + col_block<C>(group, NV), typename Cfg::template TileTRows<C, V, NV>{});
 
   // ---- every input tile into L2 (the strided ones line by line, the contiguous ones whole)
   if (tid == 0) {
@@ -472,17 +501,17 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     prefetch_l2(p.state + tile * K * V, K * V * sizeof(float));
     prefetch_l2(p.dstate + tile * K * V, K * V * sizeof(float));
   }
-  prefetch_rows_l2<K>(p.q + p.q_strides.at(chunk, hq), p.q_strides.row);
-  prefetch_rows_l2<K>(p.k + p.k_strides.at(chunk, hq), p.k_strides.row);
-  prefetch_rows_l2<V>(p.v + p.v_strides.at(chunk, hv), p.v_strides.row);
-  prefetch_rows_l2<V>(p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row);
+  prefetch_rows_l2<K, T>(p.q + p.q_strides.at(chunk, hq), p.q_strides.row);
+  prefetch_rows_l2<K, T>(p.k + p.k_strides.at(chunk, hq), p.k_strides.row);
+  prefetch_rows_l2<V, T>(p.v + p.v_strides.at(chunk, hv), p.v_strides.row);
+  prefetch_rows_l2<V, T>(p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row);
 
   // ---- gates, beta and the per-column sums
   if (tid < C) {
     ss.gamma[tid] = p.gamma[p.gamma_strides.at(chunk, hv) + tid * p.gamma_strides.row];
     CUTE_UNROLL
-    for (int w = 0; w < kChunkGradWarps; ++w) ss.col_gamma[w][tid] = ss.col_beta[w][tid] = 0.f;
-  } else {
+    for (int w = 0; w < W; ++w) ss.col_gamma[w][tid] = ss.col_beta[w][tid] = 0.f;
+  } else if (tid < 2 * C) {
     ss.beta[tid - C] = p.beta[p.beta_strides.at(chunk, hv) + (tid - C) * p.beta_strides.row];
   }
   __syncthreads();
@@ -498,19 +527,19 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   float s_a0;                                     // A0's own scale
   {
     // A0, T = Gamma A0 diag(b) and T diag(d), all scaled by s_a0
-    constexpr int kPerThread = C * C / 4 / 128;
+    constexpr int kPerThread = C * C / 4 / T;
     const float4* g4 = reinterpret_cast<const float4*>(p.a0 + tile * C * C);
     float4 x[kPerThread];
     float amax = 0.f;
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
-      x[j] = __ldg(g4 + tid + 128 * j);
+      x[j] = __ldg(g4 + tid + T * j);
       amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[j].x), fabsf(x[j].y)), fmaxf(fabsf(x[j].z), fabsf(x[j].w))));
     }
-    s_a0 = unit_scale(cta_reduce<true>(amax, ss.reduce));
+    s_a0 = unit_scale(cta_reduce<true, W>(amax, ss.reduce));
     CUTE_UNROLL
     for (int j = 0; j < kPerThread; ++j) {
-      const int idx = tid + 128 * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
+      const int idx = tid + T * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
       store4(sA0, r, c, x[j], s_a0);
       const float4 tm = make_float4(decay(r, c) * x[j].x * bet[c], decay(r, c + 1) * x[j].y * bet[c + 1],
                                     decay(r, c + 2) * x[j].z * bet[c + 2], decay(r, c + 3) * x[j].w * bet[c + 3]);
@@ -521,190 +550,196 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
              s_a0);
     }
   }
-  const float s_q = stage_normalised<C, K>(sQ, p.q + p.q_strides.at(chunk, hq), p.q_strides.row, ss.reduce);
-  const float s_k = stage_normalised<C, K>(sK, p.k + p.k_strides.at(chunk, hq), p.k_strides.row, ss.reduce);
-  const float s_v = stage_normalised<C, V>(sV, p.v + p.v_strides.at(chunk, hv), p.v_strides.row, ss.reduce);
-  stage_scaled<C, V>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d);
-  stage_scaled<C, V>(sVn, p.vn + tile * C * V, V, 1.f);
-  stage_scaled<C, V>(sDVn, p.dvn + tile * C * V, V, 1.f);
+  const float s_q = stage_normalised<C, K, T>(sQ, p.q + p.q_strides.at(chunk, hq), p.q_strides.row, ss.reduce);
+  const float s_k = stage_normalised<C, K, T>(sK, p.k + p.k_strides.at(chunk, hq), p.k_strides.row, ss.reduce);
+  const float s_v = stage_normalised<C, V, T>(sV, p.v + p.v_strides.at(chunk, hv), p.v_strides.row, ss.reduce);
+  stage_scaled<C, V, T>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d);
+  stage_scaled<C, V, T>(sVn, p.vn + tile * C * V, V, 1.f);
+  stage_scaled<C, V, T>(sDVn, p.dvn + tile * C * V, V, 1.f);
   {
     // S_c and dS_{c+1}, and their inner product (d x u units) for the gradient of e^{gamma_C}
-    constexpr int kPerThread = K * V / 4 / 128;
+    constexpr int kPerThread = K * V / 4 / T;
     const float4* s4 = reinterpret_cast<const float4*>(p.state + tile * K * V);
     const float4* d4 = reinterpret_cast<const float4*>(p.dstate + tile * K * V);
     float dot = 0.f;
     // eight iterations unrolled: sixteen float4 loads a thread issued before the first is used
 #pragma unroll 8
     for (int j = 0; j < kPerThread; ++j) {
-      const int idx = tid + 128 * j, r = idx / (V / 4), c = idx % (V / 4) * 4;
+      const int idx = tid + T * j, r = idx / (V / 4), c = idx % (V / 4) * 4;
       const float4 a = __ldg(s4 + idx), b = __ldg(d4 + idx);
       dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
       store4(sS, r, c, a, 1.f);
       store4(sDS, r, c, b, 1.f);
     }
-    dot = cta_reduce<false>(dot, ss.reduce);
+    dot = cta_reduce<false, W>(dot, ss.reduce);
     if (tid == 0) ss.tail = __expf(gamma_last) * dot;  // the df terms are added in step 7
   }
   operands_ready();
 
-  float row_g[2] = {0.f, 0.f}, row_b[2] = {0.f, 0.f};  // this thread's two rows' sums
+  float row_g[2] = {0.f, 0.f}, row_b[2] = {0.f, 0.f};  // this thread's two rows' sums, its columns'
   const int64_t out_ck = tile * C * K, out_cv = tile * C * V;
+  // every (64, NC) accumulator's coordinates are the same, so are every (64, NK) one's
+  Tensor crdC = acc_coords<typename Cfg::MmaTokTokV, NC>(cc0);
+  Tensor crdK = acc_coords<typename Cfg::MmaTokKV, NK>(ck0);
+  const AccTileOffsets<C> atC(crdC);
+  const AccTileOffsets<C> atK(crdK);
 
   // ---- 1. dP = dO Vn^T, dQK = dP * Gamma; QK; E's dP * QK * Gamma terms
-  Tensor crdCC = acc_coords<typename Cfg::MmaTokTokV, C>();
-  const AccTileOffsets<C> atCC(crdCC);
-  auto fQK = make_operand<typename Cfg::MmaRegKTok, C, Elem>();
   {
-    auto accP = make_acc<typename Cfg::MmaTokTokV, C>();
-    gemm_ss<typename Cfg::MmaTokTokV>(sDO, sVn, accP, true);
+    auto accP = make_acc<typename Cfg::MmaTokTokV, NC>();
+    gemm_ss<typename Cfg::MmaTokTokV>(sDO, sVnB, accP, true);
     CUTE_UNROLL
-    for (int e = 0; e < size(accP); ++e) accP(e) *= decay(get<0>(crdCC(e)), get<1>(crdCC(e)));
-    auto accQK = make_acc<typename Cfg::MmaTokTokK, C>();
-    gemm_ss<typename Cfg::MmaTokTokK>(sQ, sK, accQK, true);
+    for (int e = 0; e < size(accP); ++e) accP(e) *= decay(get<0>(crdC(e)), get<1>(crdC(e)));
+    auto accQK = make_acc<typename Cfg::MmaTokTokK, NC>();
+    gemm_ss<typename Cfg::MmaTokTokK>(sQ, sKB, accQK, true);
     const float inv_qk = 1.f / (s_q * s_k);
     auto e1 = [&](int e) { return accP(e) * accQK(e) * inv_qk; };
-    add_row_sums(crdCC, e1, row_g);
-    add_col_sums(crdCC, e1, ss.col_gamma);
-    store_tile<C>(accP, crdCC, ss.dqk.data());
-    chain_operand(fQK, accP);
+    add_row_sums(crdC, e1, row_g);
+    add_col_sums(crdC, e1, ss.col_gamma);
+    store_tile<C>(accP, crdC, ss.dqk.data());
   }
 
-  // ---- 2. dq = dQK K + diag(d) dO S^T, and d * rowsum(dQd * Q)
-  Tensor crdCK = acc_coords<typename Cfg::MmaTokKV, K>();
-  const AccTileOffsets<C> atCK(crdCK);
+  // ---- 2. dq = diag(d) dO S^T + dQK K, and d * rowsum(dQd * Q); 3. dw = -dVn S^T (the state's
+  // last readers, before the barrier that makes dQK and dw whole)
+  auto accQ = make_acc<typename Cfg::MmaTokKV, NK>();
+  gemm_ss<typename Cfg::MmaTokKV>(sDO, sSB, accQ, true);
   {
-    auto accQ = make_acc<typename Cfg::MmaTokKV, K>();
-    gemm_ss<typename Cfg::MmaTokKV>(sDO, sS, accQ, true);
     const float inv_q = 1.f / s_q;
-    add_row_sums(crdCK, [&](int e) {
-      const int r = get<0>(crdCK(e));
-      return __expf(gam[r]) * accQ(e) * (float(ss.q[atCK(r, get<1>(crdCK(e)))]) * inv_q);
+    add_row_sums(crdK, [&](int e) {
+      const int r = get<0>(crdK(e));
+      return __expf(gam[r]) * accQ(e) * (float(ss.q[atK(r, get<1>(crdK(e)))]) * inv_q);
     }, row_g);
     CUTE_UNROLL
-    for (int e = 0; e < size(accQ); ++e) accQ(e) *= __expf(gam[get<0>(crdCK(e))]) * s_k;
-    gemm_rs<typename Cfg::MmaRegKTok>(fQK, sKt, accQ, false);
-    store_global<K>(accQ, crdCK, p.dq + out_ck, inv_du / s_k);
+    for (int e = 0; e < size(accQ); ++e) accQ(e) *= __expf(gam[get<0>(crdK(e))]) * s_k;
   }
-
-  // ---- 3. dw = -dVn S^T (the state's last reader)
-  auto fW = make_operand<typename Cfg::MmaRegTokK, K, Elem>();
   {
-    auto accW = make_acc<typename Cfg::MmaTokKV, K>();
-    gemm_ss<typename Cfg::MmaTokKV>(sDVn, sS, accW, true);
+    auto accW = make_acc<typename Cfg::MmaTokKV, NK>();
+    gemm_ss<typename Cfg::MmaTokKV>(sDVn, sSB, accW, true);
     scale_acc(accW, -1.f);
-    store_tile<C>(accW, crdCK, ss.dw.data());
-    chain_operand(fW, accW);
+    store_tile<C>(accW, crdK, ss.dw.data());
   }
+  operands_ready();  // dQK, dw
+  gemm_ss<typename Cfg::MmaTokKTok>(sDQK, sKtB, accQ, false);
+  store_global<K>(accQ, crdK, p.dq + out_ck, inv_du / s_k);
 
   // ---- 4. dT = (dw K^T) diag(d) + dVn V^T; dA = dT diag(b); dbeta's and E's dA terms; X = dA * Gamma
   {
-    auto accT = make_acc<typename Cfg::MmaRegTokK, C>();
-    gemm_rs<typename Cfg::MmaRegTokK>(fW, sK, accT, true);
+    auto accT = make_acc<typename Cfg::MmaTokTokK, NC>();
+    gemm_ss<typename Cfg::MmaTokTokK>(sDW, sKB, accT, true);
     // to the scale of dVn (s_v V)^T, which is s_v / unit_u times the d x u units
     const float to_v = s_v / (unit_u * s_k);
     CUTE_UNROLL
-    for (int e = 0; e < size(accT); ++e) accT(e) *= __expf(gam[get<1>(crdCC(e))]) * to_v;
-    gemm_ss<typename Cfg::MmaTokTokV>(sDVn, sV, accT, false);
+    for (int e = 0; e < size(accT); ++e) accT(e) *= __expf(gam[get<1>(crdC(e))]) * to_v;
+    gemm_ss<typename Cfg::MmaTokTokV>(sDVn, sVB, accT, false);
     scale_acc(accT, unit_u / s_v);
     const float inv_a0 = 1.f / s_a0;
-    __syncthreads();  // every thread's dw GEMM has read the state's tile, which X and dLb may overwrite
     // A = Gamma * A0 at each element; E's term dA * A0 * Gamma = dA * A
     auto a_at = [&](int e) {
-      const int r = get<0>(crdCC(e)), c = get<1>(crdCC(e));
-      return decay(r, c) * float(ss.a0[atCC(r, c)]) * inv_a0;
+      const int r = get<0>(crdC(e)), c = get<1>(crdC(e));
+      return decay(r, c) * float(ss.a0[atC(r, c)]) * inv_a0;
     };
-    add_col_sums(crdCC, [&](int e) { return accT(e) * a_at(e); }, ss.col_beta);
-    auto e2 = [&](int e) { return accT(e) * bet[get<1>(crdCC(e))] * a_at(e); };
-    add_row_sums(crdCC, e2, row_g);
-    add_col_sums(crdCC, e2, ss.col_gamma);
+    add_col_sums(crdC, [&](int e) { return accT(e) * a_at(e); }, ss.col_beta);
+    auto e2 = [&](int e) { return accT(e) * bet[get<1>(crdC(e))] * a_at(e); };
+    add_row_sums(crdC, e2, row_g);
+    add_col_sums(crdC, e2, ss.col_gamma);
     CUTE_UNROLL
     for (int e = 0; e < size(accT); ++e) {
-      const int r = get<0>(crdCC(e)), c = get<1>(crdCC(e));
+      const int r = get<0>(crdC(e)), c = get<1>(crdC(e));
       accT(e) *= bet[c] * decay(r, c);
     }
-    store_tile<C>(accT, crdCC, ss.scratch());
+    // X^T into the state's tile: every thread's dw GEMM read the state before the barrier above
+    store_tile_transposed<C>(accT, crdC, ss.xt());
   }
-  operands_ready();  // X, dw
 
   // ---- 5. dv = T^T dVn
-  Tensor crdCV = acc_coords<typename Cfg::MmaTokVTok, V>();
   {
-    auto accV = make_acc<typename Cfg::MmaTokVTok, V>();
-    gemm_ss<typename Cfg::MmaTokVTok>(sTt, sDVnt, accV, true);
-    store_global<V>(accV, crdCV, p.dv + out_cv, 1.f / (s_a0 * unit_d));
+    Tensor crdV = acc_coords<typename Cfg::MmaTokVTokT, NV>(cv0);
+    auto accV = make_acc<typename Cfg::MmaTokVTokT, NV>();
+    gemm_ss<typename Cfg::MmaTokVTokT>(sTt, sDVntB, accV, true);
+    store_global<V>(accV, crdV, p.dv + out_cv, 1.f / (s_a0 * unit_d));
   }
+  // K K^T for dbeta's rowsum(dL * KK) in step 6
+  auto accKK = make_acc<typename Cfg::MmaTokTokK, NC>();
+  gemm_ss<typename Cfg::MmaTokTokK>(sK, sKB, accKK, true);
+  operands_ready();  // X^T
 
   // ---- 6. dL = strictly_lower(-A0^T X A0^T), dbeta's rowsum(dL * KK), dLb = diag(b) dL
-  auto fL = make_operand<typename Cfg::MmaRegKTok, C, Elem>();
   {
-    auto accY = make_acc<typename Cfg::MmaTokTokTok, C>();
-    gemm_ss<typename Cfg::MmaTokTokTok>(sA0t, sXt, accY, true);
-    auto fY = make_operand<typename Cfg::MmaRegTokTok, C, Elem>();
-    chain_operand(fY, accY, 1.f / s_a0);
-    auto accL = make_acc<typename Cfg::MmaRegTokTok, C>();
-    gemm_rs<typename Cfg::MmaRegTokTok>(fY, sA0, accL, true);
+    auto accY = make_acc<typename Cfg::MmaTokTokTokT, NC>();
+    gemm_ss<typename Cfg::MmaTokTokTokT>(sA0t, sXtB, accY, true);
+    scale_acc(accY, 1.f / s_a0);
+    store_tile<C>(accY, crdC, ss.y());
+  }
+  operands_ready();  // Y
+  {
+    auto accL = make_acc<typename Cfg::MmaTokTokTok, NC>();
+    gemm_ss<typename Cfg::MmaTokTokTok>(sY, sA0B, accL, true);
     const float neg_inv_a0 = -1.f / s_a0;
     CUTE_UNROLL
     for (int e = 0; e < size(accL); ++e)
-      accL(e) = get<0>(crdCC(e)) > get<1>(crdCC(e)) ? neg_inv_a0 * accL(e) : 0.f;
-    auto accKK = make_acc<typename Cfg::MmaTokTokK, C>();
-    gemm_ss<typename Cfg::MmaTokTokK>(sK, sK, accKK, true);
+      accL(e) = get<0>(crdC(e)) > get<1>(crdC(e)) ? neg_inv_a0 * accL(e) : 0.f;
     const float inv_kk = 1.f / (s_k * s_k);
-    add_row_sums(crdCC, [&](int e) { return accL(e) * accKK(e) * inv_kk; }, row_b);
+    add_row_sums(crdC, [&](int e) { return accL(e) * accKK(e) * inv_kk; }, row_b);
     CUTE_UNROLL
-    for (int e = 0; e < size(accL); ++e) accL(e) *= bet[get<0>(crdCC(e))];
-    store_tile<C>(accL, crdCC, ss.scratch() + C * C);
-    chain_operand(fL, accL);
+    for (int e = 0; e < size(accL); ++e) accL(e) *= bet[get<0>(crdC(e))];
+    store_tile<C>(accL, crdC, ss.dlb());
   }
-  operands_ready();  // dLb
 
   // ---- 7. dk = diag(f) dKd + diag(d) dKdd + dLb K + dLb^T K + dQK^T Q; the dgamma terms of dKd, dKdd
   {
-    auto accK = make_acc<typename Cfg::MmaTokKV, K>();
-    gemm_ss<typename Cfg::MmaTokKV>(sVn, sDS, accK, true);
+    auto accK = make_acc<typename Cfg::MmaTokKV, NK>();
+    gemm_ss<typename Cfg::MmaTokKV>(sVn, sDSB, accK, true);
     CUTE_UNROLL
-    for (int e = 0; e < size(accK); ++e) accK(e) *= __expf(gamma_last - gam[get<0>(crdCK(e))]);
+    for (int e = 0; e < size(accK); ++e) accK(e) *= __expf(gamma_last - gam[get<0>(crdK(e))]);
     const float inv_k = 1.f / s_k;
-    auto times_k = [&](int e) { return accK(e) * (float(ss.k[atCK(get<0>(crdCK(e)), get<1>(crdCK(e)))]) * inv_k); };
+    auto times_k = [&](int e) { return accK(e) * (float(ss.k[atK(get<0>(crdK(e)), get<1>(crdK(e)))]) * inv_k); };
     float df[2] = {0.f, 0.f};
-    add_row_sums(crdCK, times_k, df);
+    add_row_sums(crdK, times_k, df);
     scale_acc(accK, s_a0);
-    gemm_ss<typename Cfg::MmaTokKTok>(sTdt, sDWt, accK, false);
+    gemm_ss<typename Cfg::MmaTokKTokT>(sTdt, sDWtB, accK, false);
     scale_acc(accK, 1.f / s_a0);
     // rowsum(acc * K) is now df + d * rowsum(dKdd * K); dgamma takes d * rowsum(dKdd * K) - df
     float both[2] = {0.f, 0.f};
-    add_row_sums(crdCK, times_k, both);
+    add_row_sums(crdK, times_k, both);
     CUTE_UNROLL
     for (int s = 0; s < 2; ++s) row_g[s] += both[s] - 2.f * df[s];
-    // every lane of a quad holds its rows' df: one lane a quad counts them
-    const float df_sum = cta_reduce<false>(tid % 4 == 0 ? df[0] + df[1] : 0.f, ss.reduce);
+    // every lane of a quad holds its rows' df over the group's columns: one lane a quad counts them
+    const float df_sum = cta_reduce<false, W>(tid % 4 == 0 ? df[0] + df[1] : 0.f, ss.reduce);
     if (tid == 0) ss.tail += df_sum;
     scale_acc(accK, s_k);
-    gemm_rs<typename Cfg::MmaRegKTok>(fL, sKt, accK, false);
-    gemm_ss<typename Cfg::MmaTokKTok>(sDLbt, sKt, accK, false);
+    operands_ready();  // dLb
+    gemm_ss<typename Cfg::MmaTokKTok>(sDLb, sKtB, accK, false);
+    gemm_ss<typename Cfg::MmaTokKTokT>(sDLbt, sKtB, accK, false);
     scale_acc(accK, s_q / s_k);
-    gemm_ss<typename Cfg::MmaTokKTok>(sDQKt, sQt, accK, false);
-    store_global<K>(accK, crdCK, p.dk + out_ck, inv_du / s_q);
+    gemm_ss<typename Cfg::MmaTokKTokT>(sDQKt, sQtB, accK, false);
+    store_global<K>(accK, crdK, p.dk + out_ck, inv_du / s_q);
   }
 
   // ---- 8. dbeta, and dg: the reverse cumulative sum of dgamma
   if (tid % 4 == 0) {
-    const int r0 = get<0>(crdCC(0));
-    ss.row_gamma[r0] = row_g[0];
-    ss.row_gamma[r0 + 8] = row_g[1];
-    ss.row_beta[r0] = row_b[0];
-    ss.row_beta[r0 + 8] = row_b[1];
+    const int r0 = get<0>(crdC(0));
+    ss.row_gamma[group][r0] = row_g[0];
+    ss.row_gamma[group][r0 + 8] = row_g[1];
+    ss.row_beta[group][r0] = row_b[0];
+    ss.row_beta[group][r0 + 8] = row_b[1];
   }
   __syncthreads();
   auto col_sum = [](const float (*col)[kChunk], int c) {
-    static_assert(kChunkGradWarps == 4, "the warps' column sums in a fixed order");
-    return (col[0][c] + col[1][c]) + (col[2][c] + col[3][c]);
+    float x = (col[0][c] + col[1][c]) + (col[2][c] + col[3][c]);
+    if constexpr (W == 8) x += (col[4][c] + col[5][c]) + (col[6][c] + col[7][c]);
+    return x;
   };
-  if (tid < C) p.dbeta[tile * C + tid] = (ss.row_beta[tid] + col_sum(ss.col_beta, tid)) * inv_du;
+  auto row_sum = [](const float (*row)[kChunk], int r) {
+    float x = row[0][r];
+    CUTE_UNROLL
+    for (int g = 1; g < Cfg::Groups; ++g) x += row[g][r];
+    return x;
+  };
+  if (tid < C) p.dbeta[tile * C + tid] = (row_sum(ss.row_beta, tid) + col_sum(ss.col_beta, tid)) * inv_du;
   if (tid == 0) {
     float run = 0.f;
     for (int i = C - 1; i >= 0; --i) {
-      run += ss.row_gamma[i] - col_sum(ss.col_gamma, i) + (i == C - 1 ? ss.tail : 0.f);
+      run += row_sum(ss.row_gamma, i) - col_sum(ss.col_gamma, i) + (i == C - 1 ? ss.tail : 0.f);
       p.dg[tile * C + i] = run * inv_du;
     }
   }

@@ -27,7 +27,8 @@ LAYOUT_CHECK = r"""
 #include "gdn_bwd_chunk.cuh"
 #include <cstdio>
 using namespace cute;
-using Cfg = fqt::ChunkGradConfig<cutlass::half_t, 128, 128>;
+using Cfg = fqt::ChunkGradConfig<cutlass::half_t, 128, 128, 2>;   // the backward's
+using Cfg1 = fqt::ChunkGradConfig<cutlass::half_t, 128, 128, 1>;
 using Elem = cutlass::half_t;
 static int failures = 0;
 #define EXPECT(cond, ...) do { if (!(cond)) { if (failures++ < 10) std::printf(__VA_ARGS__); } } while (0)
@@ -46,20 +47,45 @@ void check_tile(Elem* base) {
     }
 }
 
-// each thread's accumulator elements: rows r0 and r0 + 8 (r0 = 16 warp + lane / 4), columns
-// 2 (lane % 4) + 8 j + b with elements e, e + 1 neighbours; AccTileOffsets is tile_offset there
+// a block of rows of a tile (a K-major B operand's) and of a transposed view's rows (an MN-major
+// one's) from row_block / col_block: the tile's elements
+template <int R, int C, int NB>
+void check_blocks(Elem* base) {
+  Tensor t = make_tensor(make_smem_ptr(base), typename Cfg::template Tile<R, C>{});
+  Tensor tt = make_tensor(make_smem_ptr(base), typename Cfg::template TileT<R, C>{});
+  for (int b = 0; b * NB < R; ++b) {
+    Tensor rows = make_tensor(make_smem_ptr(base + fqt::row_block(b, NB)), typename Cfg::template TileRows<R, C, NB>{});
+    for (int r = 0; r < NB; ++r)
+      for (int c = 0; c < C; ++c)
+        EXPECT(&rows(r, c) == &t(b * NB + r, c), "TileRows<%d,%d,%d> block %d (%d,%d)\n", R, C, NB, b, r, c);
+  }
+  if constexpr (NB % 64 == 0)
+    for (int b = 0; b * NB < C; ++b) {
+      Tensor cols = make_tensor(make_smem_ptr(base + fqt::col_block<R>(b, NB)),
+                                typename Cfg::template TileTRows<R, C, NB>{});
+      for (int c = 0; c < NB; ++c)
+        for (int r = 0; r < R; ++r)
+          EXPECT(&cols(c, r) == &tt(b * NB + c, r), "TileTRows<%d,%d,%d> block %d (%d,%d)\n", R, C, NB, b, c, r);
+    }
+}
+
+// each thread's accumulator elements of a warp group's block of N columns from col0: rows r0 and
+// r0 + 8 (r0 = 16 warp + lane / 4), columns col0 + 2 (lane % 4) + 8 j + b with elements e, e + 1
+// neighbours; AccTileOffsets is tile_offset there
 template <class Mma, int N>
-void check_acc() {
+void check_acc(int col0) {
   for (int tid = 0; tid < 128; ++tid) {
-    Tensor crd = Mma{}.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<_64, Int<N>>{}));
+    Tensor crd = Mma{}.get_thread_slice(tid).partition_C(
+        domain_offset(make_coord(0, col0), make_identity_tensor(Shape<_64, Int<N>>{})));
     const int r0 = get<0>(crd(0)), c0 = get<1>(crd(0));
-    EXPECT(r0 == 16 * (tid / 32) + (tid % 32) / 4 && c0 == 2 * (tid % 4), "N=%d thread %d starts at (%d,%d)\n", N,
-           tid, r0, c0);
+    EXPECT(r0 == 16 * (tid / 32) + (tid % 32) / 4 && c0 == col0 + 2 * (tid % 4), "N=%d thread %d starts at (%d,%d)\n",
+           N, tid, r0, c0);
     const fqt::AccTileOffsets<64> at(crd);
     for (int e = 0; e < size(crd); ++e) {
       const int r = get<0>(crd(e)), c = get<1>(crd(e));
       EXPECT(r == r0 || r == r0 + 8, "N=%d thread %d element %d in row %d\n", N, tid, e, r);
-      EXPECT(c % 8 == c0 + e % 2, "N=%d thread %d element %d in column %d\n", N, tid, e, c);
+      EXPECT(c % 8 == c0 % 8 + e % 2 && c >= col0 && c < col0 + N, "N=%d thread %d element %d in column %d\n", N, tid,
+             e, c);
       EXPECT(e % 2 == 0 || get<1>(crd(e - 1)) == c - 1, "N=%d thread %d: elements %d, %d not neighbours\n", N, tid,
              e - 1, e);
       EXPECT(at(r, c) == fqt::tile_offset<64>(r, c), "N=%d thread %d element %d: offset %d, tile_offset %d\n", N, tid,
@@ -73,13 +99,25 @@ int main() {
   check_tile<64, 64>(buffer);
   check_tile<64, 128>(buffer);
   check_tile<128, 128>(buffer);
-  check_acc<Cfg::MmaTokTokV, 64>();
-  check_acc<Cfg::MmaRegTokK, 64>();
-  check_acc<Cfg::MmaTokTokTok, 64>();
-  check_acc<Cfg::MmaRegTokTok, 64>();
-  check_acc<Cfg::MmaTokKV, 128>();
-  check_acc<Cfg::MmaTokKTok, 128>();
-  check_acc<Cfg::MmaRegKTok, 128>();
+  check_blocks<64, 64, 32>(buffer);
+  check_blocks<64, 128, 32>(buffer);
+  check_blocks<64, 128, 64>(buffer);
+  check_blocks<128, 128, 64>(buffer);
+  for (int col0 : {0, 32}) {
+    check_acc<Cfg::MmaTokTokV, 32>(col0);
+    check_acc<Cfg::MmaTokTokK, 32>(col0);
+    check_acc<Cfg::MmaTokTokTokT, 32>(col0);
+    check_acc<Cfg::MmaTokTokTok, 32>(col0);
+  }
+  for (int col0 : {0, 64}) {
+    check_acc<Cfg::MmaTokKV, 64>(col0);
+    check_acc<Cfg::MmaTokKTok, 64>(col0);
+    check_acc<Cfg::MmaTokKTokT, 64>(col0);
+    check_acc<Cfg::MmaTokVTokT, 64>(col0);
+  }
+  check_acc<Cfg1::MmaTokKV, 128>(0);
+  check_acc<Cfg1::MmaTokTokV, 64>(0);
+  std::printf("shared memory: %d bytes (two warp groups), %d bytes (one)\n", Cfg::SmemBytes, Cfg1::SmemBytes);
   std::printf("%s\n", failures ? "FAILED" : "layouts ok");
   return failures != 0;
 }
@@ -101,15 +139,18 @@ def test_hand_written_tile_offsets_are_cutes(tmp_path):
 
 
 def test_template_only_fixes_constants():
-    text = chunk_kernels.render_source(ChunkSpec(operand_dtype="bfloat16", head_k_dim=64, head_v_dim=128))
+    text = chunk_kernels.render_source(ChunkSpec(operand_dtype="bfloat16", head_k_dim=64, head_v_dim=128,
+                                                 warp_groups=1))
     assert '#include "gdn_bwd_chunk_host.cuh"' in text
-    assert "fqt::ChunkGradConfig<cutlass::bfloat16_t, /*K=*/64, /*V=*/128>" in text
+    assert "fqt::ChunkGradConfig<cutlass::bfloat16_t, /*K=*/64, /*V=*/128,\n" in text
+    assert "/*warp_groups=*/1>" in text
     assert f"FQT_BWD_CHUNK_ABI_VERSION == {chunk_kernels.ABI_VERSION}" in text
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(operand_dtype="float32"), "operand_dtype"), (dict(head_k_dim=96), "head_k_dim"),
-    (dict(head_v_dim=256), "head_v_dim")])
+    (dict(head_v_dim=256), "head_v_dim"), (dict(warp_groups=3), "warp_groups"),
+    (dict(head_k_dim=64), "warp_groups=2 needs K = V = 128")])
 def test_spec_refuses_what_the_kernel_does_not_instantiate(bad, match):
     with pytest.raises(ValueError, match=match):
         ChunkSpec(**bad)

@@ -289,12 +289,21 @@ def chain_op_bar(n, fla):
     return min(max(2 * fla, FLOOR), CEILING) if fla is not None else CEILING
 
 
-def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph():
-    """Neither the forward nor the backward waits for the GPU (the backward's chunk grid is built
-    on the device): forward plus backward through the op, captured in one CUDA graph and replayed on
-    fresh inputs copied into the captured ones, gives the eager gradients; the gradients are
-    NaN-poisoned before the replay."""
-    shape = ([300, 77, 64], 2, 4, torch.bfloat16, "mixed", True, True, False, False)
+# name: (make_case's shape, the forward call's warm-up table: None, whole chains; else the chains
+# split as the forward's CP splits the long sequence)
+CAPTURED_STEPS = {
+    "short_whole_chains": (([300, 77, 64], 2, 4, torch.bfloat16, "mixed", True, True, False, False), None),
+    "long_split_chains": (([16384, 3000, 70], 2, 8, torch.bfloat16, "mixed", True, True, False, False), [8] * 8),
+}
+
+
+@pytest.mark.parametrize("name", list(CAPTURED_STEPS))
+def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph(name):
+    """Neither the forward nor the backward waits for the GPU or copies from the host (the
+    backward's chunk grid and chain segments are built on the device): forward plus backward
+    through the op, captured in one CUDA graph and replayed on fresh inputs copied into the captured
+    ones, gives the eager gradients; the gradients are NaN-poisoned before the replay."""
+    shape, warmup = CAPTURED_STEPS[name]
     leaves, do, dfinal, cu = make_case(5, *shape)
     static = {n: t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
     static_do, static_dfinal = do.clone(), dfinal.clone()
@@ -304,7 +313,7 @@ def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph():
             t.grad = None
         o, final = ops.chunk_gated_delta_rule(
             static["q"], static["k"], static["v"], static["g"], static["beta"], scale=128 ** -0.5,
-            initial_state=static["initial_state"], output_final_state=True, cu_seqlens=cu)
+            initial_state=static["initial_state"], output_final_state=True, cu_seqlens=cu, warmup=warmup)
         torch.autograd.backward([o, final], [static_do, static_dfinal])
 
     graph, _ = captured(step, warmups=2)  # warm-up: the plan and the chain library built and opened
@@ -317,7 +326,7 @@ def test_a_training_step_through_the_op_is_captured_in_a_cuda_graph():
         static_dfinal.copy_(fresh_dfinal)
     graph.replay()
     torch.cuda.synchronize()
-    eager = run(ops.chunk_gated_delta_rule, fresh, fresh_do, fresh_dfinal, cu, False, False)
+    eager = run(ops.chunk_gated_delta_rule, fresh, fresh_do, fresh_dfinal, cu, False, False, warmup=warmup)
     for n, t in static.items():
         assert torch.isfinite(t.grad).all(), f"the replay left the gradient of {n} unwritten"
         err = rel_l2(t.grad, eager[n])

@@ -114,15 +114,21 @@ def nan_like(*shape):
     return torch.full(shape, float("nan"), dtype=torch.float32, device=DEV)
 
 
+# the library variants: the backward's, and the one warp group CTA it could choose instead
+VARIANTS = {f"wg{n}": chunk_kernels.ChunkSpec(chunk_kernels.OPERAND_DTYPE, K, V, n) for n in (2, 1)}
+assert chunk_kernels.spec_for(K, V) in VARIANTS.values()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("name", list(KERNEL_CASES))
-def test_kernel_matches_float64_step3(name):
+def test_kernel_matches_float64_step3(name, variant):
     seqlens, hqk, hv = KERNEL_CASES[name][:3]
     for seed in range(3):
         want, inputs = per_chunk_case(100 * seed + 3, *KERNEL_CASES[name])
         NC = inputs[0].shape[0]
         out = (nan_like(NC, hv, 64, K), nan_like(NC, hv, 64, K), nan_like(NC, hv, 64, V), nan_like(NC, hv, 64),
                nan_like(NC, hv, 64))
-        got = chunk_kernels.chunk_gradients(*inputs, out=out)
+        got = chunk_kernels.chunk_gradients(*inputs, out=out, spec=VARIANTS[variant])
         torch.cuda.synchronize()
         parts = []
         for what, g, w in zip(OUTPUTS, got, want):
@@ -130,20 +136,25 @@ def test_kernel_matches_float64_step3(name):
             err = rel_l2(g.double(), w)
             parts.append(f"{what}={err:.2e}")
             assert err < KERNEL_BAR, f"{name} seed={seed}: {what} relative L2 {err:.2e} >= {KERNEL_BAR}"
-        line = f"chunk {name:24s} seed={seed} " + " ".join(parts)
+        line = f"chunk {variant} {name:24s} seed={seed} " + " ".join(parts)
         print(line)
         LOG.append(line)
 
 
-def test_repeated_and_shared_qk_heads_agree():
-    """q and k per q/k head (each v-head reads its own) or repeated over the v-heads: the same."""
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_repeated_and_shared_qk_heads_agree(variant):
+    """q and k per q/k head (each v-head reads its own) or repeated over the v-heads: the same bits,
+    and the same bits again on a second run (no atomics)."""
     _, inputs = per_chunk_case(9, [300, 130], 2, 8, "mixed", True, True, 1.0, "unit")
-    shared = chunk_kernels.chunk_gradients(*inputs)
+    spec = VARIANTS[variant]
+    shared = chunk_kernels.chunk_gradients(*inputs, spec=spec)
+    again = chunk_kernels.chunk_gradients(*inputs, spec=spec)
     q, k = (x.repeat_interleave(4, dim=1).contiguous() for x in inputs[:2])
-    repeated = chunk_kernels.chunk_gradients(q, k, *inputs[2:])
+    repeated = chunk_kernels.chunk_gradients(q, k, *inputs[2:], spec=spec)
     torch.cuda.synchronize()
-    for what, a, b in zip(OUTPUTS, shared, repeated):
+    for what, a, b, c in zip(OUTPUTS, shared, repeated, again):
         assert torch.equal(a, b), what
+        assert torch.equal(a, c), what
 
 
 # name: (seqlens, hqk, hv, dtype, decay, h0, dht, layout_vk, l2norm, output gradient size[, the

@@ -69,8 +69,9 @@ def split_sequences(chunk_offsets: torch.Tensor, segment_chunks: torch.Tensor, m
     dev = chunk_offsets.device
     first, last = chunk_offsets[:-1], chunk_offsets[1:]
     chunks = last - first
-    # bucket_of_chunks on the device: the bit length of chunks - 1, capped at the last entry
-    powers = torch.tensor([1 << b for b in range(SEGMENT_BUCKETS - 1)], dtype=torch.int64, device=dev)
+    # bucket_of_chunks on the device: the bit length of chunks - 1, capped at the last entry (the
+    # powers made by a device op, not copied from the host: a CUDA graph can capture this)
+    powers = 2 ** torch.arange(SEGMENT_BUCKETS - 1, dtype=torch.int64, device=dev)
     bucket = ((chunks - 1).clamp(min=0)[:, None] >= powers).sum(1)
     length = segment_chunks.to(torch.int64)[bucket]
     splits = (length > 0) & (length < chunks)

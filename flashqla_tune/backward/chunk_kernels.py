@@ -43,10 +43,12 @@ class ChunkKernelError(BackwardKernelError):
 
 @dataclass(frozen=True)
 class ChunkSpec(LibrarySpec):
-    """What one per-chunk gradient library is compiled for: the operand dtype and the head dims."""
+    """What one per-chunk gradient library is compiled for: the operand dtype, the head dims, and
+    the warp groups of a CTA (two split every GEMM's output columns between them; K = V = 128)."""
     operand_dtype: str = "float16"
     head_k_dim: int = 128
     head_v_dim: int = 128
+    warp_groups: int = 2
 
     def __post_init__(self) -> None:
         self._check_operand_dtype()
@@ -54,13 +56,19 @@ class ChunkSpec(LibrarySpec):
             if getattr(self, name) not in (64, 128):
                 raise ValueError(f"ChunkSpec.{name}={getattr(self, name)} must be 64 or 128 (64 x D fp32 "
                                  f"accumulators of one warp group)")
+        if self.warp_groups not in (1, 2):
+            raise ValueError(f"ChunkSpec.warp_groups={self.warp_groups!r} must be 1 or 2")
+        if self.warp_groups == 2 and (self.head_k_dim, self.head_v_dim) != (128, 128):
+            raise ValueError(f"ChunkSpec.warp_groups=2 needs K = V = 128 (each group takes 64 columns, whole "
+                             f"swizzle atoms), not K={self.head_k_dim}, V={self.head_v_dim}")
 
     @property
     def name(self) -> str:
-        return f"gdn_bwd_chunk_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}"
+        return f"gdn_bwd_chunk_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}_wg{self.warp_groups}"
 
 
 OPERAND_DTYPE = "float16"
+WARP_GROUPS = 2   # the H200's faster of the two (docs/results/backward-chunk-variants.log)
 # The head dims whose library the backward uses (built and checked for spills, run against float64
 # on the H200): the chain kernels'.
 BACKWARD_DIMS = chain_kernels.BACKWARD_DIMS
@@ -71,14 +79,15 @@ def spec_for(head_k_dim: int, head_v_dim: int) -> ChunkSpec:
     if (head_k_dim, head_v_dim) not in BACKWARD_DIMS:
         raise ValueError(f"the backward's per-chunk gradient kernel is built for (K, V) in {sorted(BACKWARD_DIMS)}, "
                          f"not K={head_k_dim}, V={head_v_dim}")
-    return ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim)
+    return ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, WARP_GROUPS)
 
 
 def render_source(spec: ChunkSpec) -> str:
     """The .cu text of a library (the template only fixes constants)."""
     return render_template(
         TEMPLATE_NAME, name=spec.name, abi_version=ABI_VERSION, spec_json=spec_json(spec),
-        element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim)
+        element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
+        warp_groups=spec.warp_groups)
 
 
 STRIDED = ("q", "k", "v", "dout", "beta", "gamma")  # the inputs read in place through their strides
@@ -147,7 +156,8 @@ def _strides(name: str, t: torch.Tensor, shape: tuple, device) -> tuple[int, int
     return strides[:3]
 
 
-def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None):
+def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None,
+                    spec: ChunkSpec | None = None):
     """Step 3 of the backward for every (chunk, v-head), on the device's current stream.
 
     fp32, on one CUDA device, in the chunk layout: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv;
@@ -159,10 +169,15 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     [chunks, Hv, 64, V]; unit_u, unit_d [chunks, Hv] (powers of two).
     Returns (dq [chunks, Hv, 64, K], dk [chunks, Hv, 64, K], dv [chunks, Hv, 64, V],
     dbeta [chunks, Hv, 64], dg [chunks, Hv, 64]), fp32 and unscaled, written into `out` (those
-    five buffers) when given."""
+    five buffers) when given. spec: the library to launch (default spec_for(K, V), the backward's;
+    a benchmark passes the variants it compares)."""
     NC, Hqk, C, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
-    spec = spec_for(K, V)
+    if spec is None:
+        spec = spec_for(K, V)
+    elif (spec.head_k_dim, spec.head_v_dim) != (K, V):
+        raise ValueError(f"spec {spec.name} is for K={spec.head_k_dim}, V={spec.head_v_dim}; the inputs have "
+                         f"K={K}, V={V}")
     if C != CHUNK:
         raise ValueError(f"chunk layout rows must be {CHUNK}, got {C}")
     if Hv % Hqk:
