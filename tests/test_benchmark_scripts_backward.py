@@ -4,7 +4,8 @@ runs transformers' own PyTorch function), and its reference run in a subprocess 
 exit 2 with the reason the op's run needs); benchmarks/backward_bench.py's arguments, its table
 math, one row measured on the CPU with a named test double of an implementation (the PyTorch
 chunked forward, differentiated by autograd) against the float64 oracle, and its exit 2 without
-a GPU."""
+a GPU; benchmarks/backward_chunk_variants.py's arguments, its byte count and its exit 2 without a
+GPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,6 +31,7 @@ def _load(name: str):
 
 train_compare = _load("train_compare")
 backward_bench = _load("backward_bench")
+chunk_variants = _load("backward_chunk_variants")
 
 
 # --- train_compare ---------------------------------------------------------------------------
@@ -309,3 +311,33 @@ def test_join_makes_one_table_of_two_parts(tmp_path):
     assert result["summary"]["flashqla"]["geomean_speedup"] == pytest.approx(2.0)
     assert result["layer"]["flashqla_tune"]["ms"] == 2.0 and len(result["parts"]) == 2
     assert "## One GDN layer, 16/32 heads, 1x32768" in (out / "backward_bench.md").read_text()
+
+
+# --- backward_chunk_variants -----------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "3/4"], "multiple of the q/k heads"), (["--heads", "two/eight"], "is not h_qk/h_v"),
+    (["--tokens", "100"], "multiple of 64"), (["--tokens", "0"], "multiple of 64")])
+def test_chunk_variants_refuses_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        chunk_variants.parse_args(["out", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_chunk_variants_counts_what_each_cta_asks_for():
+    """Each CTA reads its q/k head's q and k tiles (the v-heads of a group read them again) and its own
+    tiles of every other input, and writes its outputs."""
+    NC, hqk, hv = 3, 2, 8
+    q = k = torch.zeros(NC, hqk, 64, 128)
+    per_head = [torch.zeros(NC, hv, 64, 128)] * 4 + [torch.zeros(NC, hv, 64)] * 2 + [torch.zeros(NC, hv, 64, 64)]
+    per_head += [torch.zeros(NC, hv, 128, 128)] * 2 + [torch.zeros(NC, hv, 64, 128)] * 2 + [torch.zeros(NC, hv)] * 2
+    outputs = [torch.zeros(NC, hv, 64, 128)] * 3 + [torch.zeros(NC, hv, 64)] * 2
+    ctas = NC * hv
+    want = ctas * 4 * (2 * 64 * 128 + 4 * 64 * 128 + 2 * 64 + 64 * 64 + 2 * 128 * 128 + 2 * 64 * 128 + 2
+                       + 3 * 64 * 128 + 2 * 64)
+    assert chunk_variants.launch_bytes((q, k, *per_head), outputs, hv) == want
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a GPU")
+def test_chunk_variants_exits_2_without_a_gpu(tmp_path, capsys):
+    assert chunk_variants.main([str(tmp_path)]) == 2
+    assert "sm_90" in capsys.readouterr().err
