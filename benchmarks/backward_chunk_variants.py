@@ -96,7 +96,7 @@ def run(args) -> tuple[dict, bool]:
         outs, row = {}, {"heads": f"{hqk}/{hv}", "tokens": args.tokens, "ctas": inputs[0].shape[0] * hv,
                          "variants": {}}
         for name, spec in variants.items():
-            lib = chunk_kernels.library(spec)
+            lib = chunk_kernels.LIBRARIES.get(spec)
             NC = inputs[0].shape[0]
             out = tuple(torch.full(shape, float("nan"), device="cuda")   # NaN: an element left unwritten shows
                         for shape in [(NC, hv, 64, 128)] * 3 + [(NC, hv, 64)] * 2)

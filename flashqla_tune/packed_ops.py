@@ -254,7 +254,7 @@ def _offer_backward(pack: Path, manifest: Manifest) -> None:
                            "(ABI %s, %s); its backward builds them on first use", pack, record.kind,
                            record.abi_version, record.spec, module.ABI_VERSION, want.to_dict())
             continue
-        module.offer_library(want, pack / record.so, record.sha256)
+        module.LIBRARIES.offer(want, pack / record.so, record.sha256)
 
 
 def _registered_name(p) -> str:

@@ -86,7 +86,7 @@ def test_auto_falls_back_to_the_loops_with_one_warning_where_no_library_can_be_h
         tries.append(spec)
         raise chain_kernels.ChainKernelError("no nvcc here (test double)")
 
-    monkeypatch.setattr(chain_kernels, "library", unavailable)
+    monkeypatch.setattr(chain_kernels.LIBRARIES, "get", unavailable)
     monkeypatch.setattr(chunked_torch, "_LIBRARY_FAILURES", {})
     with pytest.warns(RuntimeWarning, match="no nvcc here .* torch loops"):
         assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
@@ -138,10 +138,10 @@ def test_a_failed_library_is_tried_again_once_a_pack_offers_one(tmp_path, monkey
     assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # remembered, no second warning
     changed = tmp_path / "chain.so"
     changed.write_bytes(b"not the file the pack recorded")
-    chain_kernels.offer_library(chain_kernels.spec_for(128, 128), changed, sha256="0" * 64)
+    chain_kernels.LIBRARIES.offer(chain_kernels.spec_for(128, 128), changed, sha256="0" * 64)
     with pytest.warns(RuntimeWarning, match="does not match the sha256"):
         assert chunked_torch._chain_library_or_none("auto", 128, 128) is None
     assert chunked_torch._chain_library_or_none("auto", 128, 128) is None   # that failure is remembered too
     for _ in range(2):   # still offered: opening it raises every time, never a silent build
         with pytest.raises(chain_kernels.ChainKernelError, match="does not match the sha256"):
-            chain_kernels.library(chain_kernels.spec_for(128, 128))
+            chain_kernels.LIBRARIES.get(chain_kernels.spec_for(128, 128))

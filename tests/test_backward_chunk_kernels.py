@@ -176,7 +176,7 @@ def test_a_build_failure_is_the_error_the_backward_falls_back_on(monkeypatch):
     monkeypatch.setattr(chunk_kernels, "LIBRARIES", table)
     monkeypatch.setattr(table, "cache_entry", no_nvcc)
     with pytest.raises(chunk_kernels.ChunkKernelError, match="not available: ToolchainError: no nvcc here") as info:
-        chunk_kernels.library(SPEC)
+        chunk_kernels.LIBRARIES.get(SPEC)
     assert isinstance(info.value, BackwardKernelError)
 
 

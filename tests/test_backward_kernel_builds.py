@@ -103,10 +103,10 @@ def test_sass_runs_the_gemms_on_wgmma(kind, built):
 @pytest.mark.parametrize("kind", KINDS)
 def test_library_speaks_the_python_abi(kind, built):
     lib, entry = LIBRARIES[kind], built[kind][1]
-    opened = lib.module.open_library(entry.so_path, lib.spec)   # checks ELF, version, struct size and spec
+    opened = lib.module.LIBRARIES.open(entry.so_path, lib.spec)   # checks ELF, version, struct size and spec
     assert opened.args_bytes() == ctypes.sizeof(lib.module.KIND.args_type)
     with pytest.raises(lib.module.KIND.error, match="stale"):
-        lib.module.open_library(entry.so_path, lib.other_spec)
+        lib.module.LIBRARIES.open(entry.so_path, lib.other_spec)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -114,9 +114,9 @@ def test_a_registered_library_is_used_without_a_build(kind, built, monkeypatch):
     lib = LIBRARIES[kind]
     table = LibraryTable(lib.module.KIND)
     monkeypatch.setattr(lib.module, "LIBRARIES", table)
-    opened = lib.module.register_library(lib.spec, built[kind][1].so_path)
+    opened = table.register(lib.spec, built[kind][1].so_path)
     monkeypatch.setattr(table, "cache_entry", lambda *a, **k: pytest.fail("built again"))
-    assert lib.module.library(lib.spec) is opened
+    assert lib.module.LIBRARIES.get(lib.spec) is opened
 
 
 @pytest.mark.parametrize("kind", KINDS)

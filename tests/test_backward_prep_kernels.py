@@ -115,7 +115,7 @@ def test_the_backward_takes_its_pieces_from_the_prep_kernel(name, monkeypatch):
     monkeypatch.setattr(chunked_torch, "_chain_library_or_none", lambda *a: "library double")
     monkeypatch.setattr(chain_kernels, "chain_states", chains.chain_states)
     monkeypatch.setattr(chain_kernels, "chain_gradients", chains.chain_gradients)
-    monkeypatch.setattr(prep_kernels, "library", lambda spec: "library double")
+    monkeypatch.setattr(prep_kernels.LIBRARIES, "get", lambda spec: "library double")
     monkeypatch.setattr(prep_kernels, "backward_prep", prep_double)
     monkeypatch.setattr(chunked_torch, "_chunk_library_or_none", lambda *a: None)  # step 3 in torch
     case = dict(CASES[name])

@@ -214,7 +214,7 @@ def test_without_the_library_auto_runs_the_torch_step3(monkeypatch):
         tries.append(spec)
         raise chunk_kernels.ChunkKernelError("no nvcc here (test double)")
 
-    monkeypatch.setattr(chunk_kernels, "library", unavailable)
+    monkeypatch.setattr(chunk_kernels.LIBRARIES, "get", unavailable)
     monkeypatch.setattr(chunked_torch, "_LIBRARY_FAILURES", {})
     with pytest.warns(RuntimeWarning, match="no nvcc here .* per-chunk gradients in torch"):
         without = op_backward(leaves, do, dfinal, cu, vk, l2norm)

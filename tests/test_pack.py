@@ -421,7 +421,7 @@ def test_a_manifest_with_the_single_backward_entry_reads_as_the_chain_library(tm
     # it loads, offering its chain library; the build rebuilds it for the other two
     assert _reuse_reason(pack, SHA, (1, 2), {}, None)[1] == "the pack carries no backward prep kernels"
     offered = []
-    monkeypatch.setattr(chain_kernels, "offer_library", lambda *a: offered.append(a))
+    monkeypatch.setattr(chain_kernels.LIBRARIES, "offer", lambda *a: offered.append(a))
     _load(pack)
     assert offered == [(spec, so, record["sha256"])]
     # a single entry and the list together are refused; so is a damaged single entry
@@ -454,7 +454,7 @@ def test_an_unknown_or_repeated_backward_kind_is_refused_by_name(tmp_path, chang
 def test_loading_a_pack_offers_each_backward_library_or_says_why_not(tmp_path, monkeypatch, caplog):
     offered = []
     for kind, module in _backward_modules().items():
-        monkeypatch.setattr(module, "offer_library",
+        monkeypatch.setattr(module.LIBRARIES, "offer",
                             lambda spec, path, sha, kind=kind: offered.append((kind, spec, path, sha)))
     pack = make_pack(tmp_path / "p")
     m = read_manifest(pack)
@@ -502,12 +502,12 @@ def test_a_packs_backward_library_is_opened_on_first_use_only_and_refused_when_c
     spec = module.spec_for(128, 128)
     _load(pack)
     assert opened == []   # loading opens none of them
-    assert module.library(spec) == ("library", pack / record.so) and opened == [(module.KIND.symbol, pack / record.so)]
-    assert module.library(spec) == ("library", pack / record.so) and len(opened) == 1
+    assert module.LIBRARIES.get(spec) == ("library", pack / record.so) and opened == [(module.KIND.symbol, pack / record.so)]
+    assert module.LIBRARIES.get(spec) == ("library", pack / record.so) and len(opened) == 1
     # a library changed between the pack's load and its first backward is refused, not opened
     module.LIBRARIES.forget()
     _load(pack)
     (pack / record.so).write_bytes(b"swapped")
     with pytest.raises(module.KIND.error, match="does not match the sha256 its pack recorded"):
-        module.library(spec)
+        module.LIBRARIES.get(spec)
     assert len(opened) == 1

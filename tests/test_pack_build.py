@@ -94,7 +94,7 @@ def test_build_no_tune_end_to_end(tmp_path, build_cache, monkeypatch, capsys):
     for b in m.backward:
         module = libraries.module(b.kind)
         monkeypatch.setattr(module.LIBRARIES, "cache_entry", lambda *a, **k: pytest.fail("built instead"))
-        assert module.library(specs[b.kind]).path == pack / b.so
+        assert module.LIBRARIES.get(specs[b.kind]).path == pack / b.so
     assert sorted(lib.plan.name for lib in ops.libraries.values()) == sorted(
         p.plan.name for p in m.plans if p.tp_size == 2)
     assert ops.warmup_table().tolist() == cal["model_table"][4:]
@@ -158,7 +158,7 @@ def test_a_build_records_each_backward_library_and_a_load_offers_them(tmp_path, 
     # a load offers all three to their kinds' tables (nothing opened until first use)
     offered = []
     for kind, module in modules.items():
-        monkeypatch.setattr(module, "offer_library",
+        monkeypatch.setattr(module.LIBRARIES, "offer",
                             lambda spec, path, sha, kind=kind: offered.append((kind, spec, path, sha)))
     flashqla_tune.load(pack, gpu=None, open_library=FakeLibraryOpener())
     assert offered == [(b.kind, specs[b.kind], pack / b.so, b.sha256) for b in m.backward]

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .chain_segments import FIELDS as SEGMENT_FIELDS
 from .chain_segments import ChainSegments
 from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
-                             OpenedLibrary, check_tensor, ptr, render_template, spec_json, stream_handle)
+                             check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chain.cu.j2"
 ABI_VERSION = 2      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
@@ -113,34 +112,7 @@ class ChainArgs(ctypes.Structure):
 
 KIND = LibraryKind("fqt_bwd_chain", "the backward's chain kernels", ABI_VERSION, ChainArgs, ChainKernelError,
                    render_source)
-LIBRARIES = LibraryTable(KIND)   # this process's chain libraries
-
-
-def get_chain_library(spec: ChainSpec, root: Path | None = None, config=None):
-    """The kernel cache's entry (cache.CacheEntry) of `spec`'s library, built if missing or invalid.
-    root: the kernels folder (default: the kernel cache's)."""
-    return LIBRARIES.cache_entry(spec, root, config)
-
-
-def open_library(so_path: Path, spec: ChainSpec) -> OpenedLibrary:
-    """A built library opened and checked (ELF, ABI, argument size, spec); ChainKernelError if stale."""
-    return OpenedLibrary(KIND, so_path, spec)
-
-
-def register_library(spec: ChainSpec, so_path: Path) -> OpenedLibrary:
-    """Use an already built library for `spec` (one built on another machine): nothing is built."""
-    return LIBRARIES.register(spec, so_path)
-
-
-def offer_library(spec: ChainSpec, so_path: Path, sha256: str | None = None) -> None:
-    """A kernel pack's library for `spec`, opened and checked (sha256, ABI, spec) on first use."""
-    LIBRARIES.offer(spec, so_path, sha256)
-
-
-def library(spec: ChainSpec) -> OpenedLibrary:
-    """The opened library of `spec`: a registered or offered one, else built through the kernel
-    cache on first use in this process; ChainKernelError naming the cause when it cannot be had."""
-    return LIBRARIES.get(spec)
+LIBRARIES = LibraryTable(KIND)   # this process's chain libraries: get(spec), offer, register, open, cache_entry
 
 
 # ---------------------------------------------------------------- launches on torch tensors
@@ -204,7 +176,7 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
                      window_log_decay=ptr(window_log_decay) if split else None,
                      state_in=ptr(state_in), state_out=ptr(state_out),
                      chunk_states=ptr(chunk_states), chunk_values=ptr(chunk_values))
-    lib = library(spec)
+    lib = LIBRARIES.get(spec)
     with torch.cuda.device(dev):  # the launch goes to the current device: make it the tensors'
         lib.launch(args, stream_handle(dev))
     return chunk_states, chunk_values, state_out
@@ -235,5 +207,4 @@ def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=Tru
 
 
 __all__ = ["ABI_VERSION", "ChainArgs", "ChainKernelError", "ChainSpec", "KIND", "LIBRARIES", "OPERAND_DTYPE",
-           "add_tiles", "chain_gradients", "chain_states", "get_chain_library", "library", "offer_library",
-           "open_library", "register_library", "render_source", "spec_for"]
+           "add_tiles", "chain_gradients", "chain_states", "render_source", "spec_for"]

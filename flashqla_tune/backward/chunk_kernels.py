@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from . import chain_kernels
 from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
-                             OpenedLibrary, check_tensor, ptr, render_template, spec_json, stream_handle)
+                             check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
 ABI_VERSION = 1      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
@@ -107,34 +106,7 @@ class ChunkArgs(ctypes.Structure):
 
 KIND = LibraryKind("fqt_bwd_chunk", "the backward's per-chunk gradient kernel", ABI_VERSION, ChunkArgs, ChunkKernelError,
                    render_source)
-LIBRARIES = LibraryTable(KIND)   # this process's chunk libraries
-
-
-def get_chunk_library(spec: ChunkSpec, root: Path | None = None, config=None):
-    """The kernel cache's entry (cache.CacheEntry) of `spec`'s library, built if missing or invalid.
-    root: the kernels folder (default: the kernel cache's)."""
-    return LIBRARIES.cache_entry(spec, root, config)
-
-
-def open_library(so_path: Path, spec: ChunkSpec) -> OpenedLibrary:
-    """A built library opened and checked (ELF, ABI, argument size, spec); ChunkKernelError if stale."""
-    return OpenedLibrary(KIND, so_path, spec)
-
-
-def register_library(spec: ChunkSpec, so_path: Path) -> OpenedLibrary:
-    """Use an already built library for `spec` (one built on another machine): nothing is built."""
-    return LIBRARIES.register(spec, so_path)
-
-
-def offer_library(spec: ChunkSpec, so_path: Path, sha256: str | None = None) -> None:
-    """A kernel pack's library for `spec`, opened and checked (sha256, ABI, spec) on first use."""
-    LIBRARIES.offer(spec, so_path, sha256)
-
-
-def library(spec: ChunkSpec) -> OpenedLibrary:
-    """The opened library of `spec`: a registered or offered one, else built through the kernel
-    cache on first use in this process; ChunkKernelError naming the cause when it cannot be had."""
-    return LIBRARIES.get(spec)
+LIBRARIES = LibraryTable(KIND)   # this process's chunk libraries: get(spec), offer, register, open, cache_entry
 
 
 # ---------------------------------------------------------------- the launch on torch tensors
@@ -210,12 +182,11 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
                      a0=ptr(a0), state=ptr(state),
                      dstate=ptr(dstate), vn=ptr(vn), dvn=ptr(dvn), unit_u=ptr(unit_u), unit_d=ptr(unit_d),
                      dq=ptr(dq), dk=ptr(dk), dv=ptr(dv), dbeta=ptr(dbeta), dg=ptr(dg))
-    lib = library(spec)
+    lib = LIBRARIES.get(spec)
     with torch.cuda.device(dev):  # the launch goes to the current device: make it the tensors'
         lib.launch(args, stream_handle(dev))
     return dq, dk, dv, dbeta, dg
 
 
 __all__ = ["ABI_VERSION", "BACKWARD_DIMS", "ChunkArgs", "ChunkKernelError", "ChunkSpec", "KIND", "LIBRARIES",
-           "OPERAND_DTYPE", "chunk_gradients", "get_chunk_library", "library", "offer_library", "open_library",
-           "register_library", "render_source", "spec_for"]
+           "OPERAND_DTYPE", "WARP_GROUPS", "chunk_gradients", "render_source", "spec_for"]

@@ -258,7 +258,7 @@ def _library_or_none(module, sequential: str, K: int, V: int, fallback: str):
     if failed is None:
         held = module.LIBRARIES.holds(spec)
         try:
-            return module.library(spec)
+            return module.LIBRARIES.get(spec)
         except BackwardKernelError as exc:
             failed = exc
             _LIBRARY_FAILURES[spec] = (exc, held)

@@ -161,6 +161,11 @@ class LibraryTable:
                            spec.name)
         return get_kernels([spec], self.renderer, config, root, jobs=1)[0]
 
+    def open(self, so_path: Path, spec) -> OpenedLibrary:
+        """A built library opened and checked (ELF, ABI, argument size, spec), not kept in the table;
+        the kind's error, saying "stale", when it was built for another spec or ABI."""
+        return OpenedLibrary(self.kind, Path(so_path), spec)
+
     def holds(self, spec) -> bool:
         """Whether `spec` has a registered, opened or offered library here (one that get() would use
         before building)."""

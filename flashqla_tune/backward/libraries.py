@@ -2,8 +2,9 @@
 (chain_kernels), "prep" (prep_kernels) and "chunk" (chunk_kernels).
 
 Each of these modules exports KIND (its kernel_library.LibraryKind), LIBRARIES (this process's
-kernel_library.LibraryTable of that kind), ABI_VERSION, spec_for(K, V) (ValueError for head dims it
-does not serve) and offer_library(spec, path, sha256). A module is imported when first asked for.
+kernel_library.LibraryTable of that kind: get, offer, register, open, cache_entry), ABI_VERSION and
+spec_for(K, V) (ValueError for head dims it does not serve). A module is imported when first asked
+for.
 """
 from __future__ import annotations
 

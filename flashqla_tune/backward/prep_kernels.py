@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
-                             OpenedLibrary, check_tensor, ptr, render_template, spec_json, stream_handle)
+                             check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_prep.cu.j2"
 ABI_VERSION = 1      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
@@ -82,34 +81,7 @@ class PrepArgs(ctypes.Structure):
 
 KIND = LibraryKind("fqt_bwd_prep", "the backward's prep kernel", ABI_VERSION, PrepArgs, PrepKernelError,
                    render_source)
-LIBRARIES = LibraryTable(KIND)   # this process's prep libraries
-
-
-def get_prep_library(spec: PrepSpec, root: Path | None = None, config=None):
-    """The kernel cache's entry (cache.CacheEntry) of `spec`'s library, built if missing or invalid.
-    root: the kernels folder (default: the kernel cache's)."""
-    return LIBRARIES.cache_entry(spec, root, config)
-
-
-def open_library(so_path: Path, spec: PrepSpec) -> OpenedLibrary:
-    """A built library opened and checked (ELF, ABI, argument size, spec); PrepKernelError if stale."""
-    return OpenedLibrary(KIND, so_path, spec)
-
-
-def register_library(spec: PrepSpec, so_path: Path) -> OpenedLibrary:
-    """Use an already built library for `spec` (one built on another machine): nothing is built."""
-    return LIBRARIES.register(spec, so_path)
-
-
-def offer_library(spec: PrepSpec, so_path: Path, sha256: str | None = None) -> None:
-    """A kernel pack's library for `spec`, opened and checked (sha256, ABI, spec) on first use."""
-    LIBRARIES.offer(spec, so_path, sha256)
-
-
-def library(spec: PrepSpec) -> OpenedLibrary:
-    """The opened library of `spec`: a registered or offered one, else built through the kernel
-    cache on first use in this process; PrepKernelError naming the cause when it cannot be had."""
-    return LIBRARIES.get(spec)
+LIBRARIES = LibraryTable(KIND)   # this process's prep libraries: get(spec), offer, register, open, cache_entry
 
 
 # ---------------------------------------------------------------- the launch on torch tensors
@@ -182,12 +154,11 @@ def backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_inverse=
                     v=ptr(v), dout=ptr(dout), v_stride=(ctypes.c_int64 * 3)(*v.stride()[:3]),
                     dout_stride=(ctypes.c_int64 * 3)(*dout.stride()[:3]),
                     **{n: ptr(getattr(out, n) if wanted.get(n, True) else None) for n in shapes})
-    lib = library(spec)
+    lib = LIBRARIES.get(spec)
     with torch.cuda.device(dev):
         lib.launch(args, stream_handle(dev))
     return out
 
 
 __all__ = ["ABI_VERSION", "KIND", "LIBRARIES", "PrepArgs", "PrepKernelError", "PrepPieces", "PrepSpec",
-           "backward_prep", "get_prep_library", "library", "offer_library", "open_library", "register_library",
-           "render_source", "spec_for"]
+           "backward_prep", "render_source", "spec_for"]
