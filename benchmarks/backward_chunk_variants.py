@@ -87,7 +87,7 @@ def run(args) -> tuple[dict, bool]:
     from flashqla_tune.measure.environment import describe
     from flashqla_tune.measure.timing import CudaTimer
 
-    variants = {f"wg{n}": chunk_kernels.ChunkSpec(chunk_kernels.OPERAND_DTYPE, 128, 128, n) for n in (1, 2)}
+    variants = chunk_kernels.variants_for(128, 128)
     default = next(name for name, spec in variants.items() if spec == chunk_kernels.spec_for(128, 128))
     timer = CudaTimer(budget_s=args.budget_s, min_samples=10, max_samples=100)
     rows, ok = [], True

@@ -157,15 +157,15 @@ parallel_gpu_tests() {
   echo "${#ids[@]} tests in $w processes:"; grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$log"
   grep -E "^FAILED" "$log" | head -n 12 | cut -c1-300 || true  # no failure is not an error
 }
-# The backward's chain, prep and per-chunk gradient libraries for K = V = 128 in the kernel cache,
-# and the per-chunk kernel's other variant (one warp group a CTA), built side by side where
-# missing, with each one's registers and spills.
+# The backward's chain and prep libraries for K = V = 128 in the kernel cache, and the per-chunk
+# gradient kernel as each of its variants (chunk_kernels.variants_for: one or two warp groups a
+# CTA), built side by side where missing, with each one's registers and spills.
 backward_libraries() {
   python3 - <<'PY'
 from concurrent.futures import ThreadPoolExecutor
 from flashqla_tune.backward import chain_kernels, chunk_kernels, prep_kernels
-wanted = [(m, m.spec_for(128, 128)) for m in (chain_kernels, prep_kernels, chunk_kernels)]
-wanted += [(chunk_kernels, s) for s in (chunk_kernels.ChunkSpec(warp_groups=n) for n in (1, 2)) if s != wanted[-1][1]]
+wanted = [(m, m.spec_for(128, 128)) for m in (chain_kernels, prep_kernels)]
+wanted += [(chunk_kernels, s) for s in chunk_kernels.variants_for(128, 128).values()]
 with ThreadPoolExecutor(len(wanted)) as pool:
     entries = list(pool.map(lambda ms: ms[0].LIBRARIES.cache_entry(ms[1]), wanted))
 for e in entries:

@@ -165,6 +165,14 @@ def test_spec_for_covers_the_chain_kernels_dims():
         chunk_kernels.spec_for(64, 64)
 
 
+def test_variants_are_the_warp_group_counts_the_dims_allow():
+    variants = chunk_kernels.variants_for(128, 128)
+    assert variants == {"wg1": ChunkSpec(warp_groups=1), "wg2": ChunkSpec(warp_groups=2)}
+    assert chunk_kernels.spec_for(128, 128) in variants.values()
+    with pytest.raises(ValueError, match="K=64, V=64"):
+        chunk_kernels.variants_for(64, 64)
+
+
 def test_a_build_failure_is_the_error_the_backward_falls_back_on(monkeypatch):
     """chunked_torch falls back to the torch step 3 on ChunkKernelError, a BackwardKernelError."""
     from flashqla_tune.backward.kernel_library import BackwardKernelError, LibraryTable

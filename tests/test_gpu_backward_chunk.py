@@ -115,7 +115,7 @@ def nan_like(*shape):
 
 
 # the library variants: the backward's, and the one warp group CTA it could choose instead
-VARIANTS = {f"wg{n}": chunk_kernels.ChunkSpec(chunk_kernels.OPERAND_DTYPE, K, V, n) for n in (2, 1)}
+VARIANTS = chunk_kernels.variants_for(K, V)
 assert chunk_kernels.spec_for(K, V) in VARIANTS.values()
 
 

@@ -81,6 +81,20 @@ def spec_for(head_k_dim: int, head_v_dim: int) -> ChunkSpec:
     return ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, WARP_GROUPS)
 
 
+def variants_for(head_k_dim: int, head_v_dim: int) -> dict[str, ChunkSpec]:
+    """Every library the kernel can be built as for these head dims, with spec_for's operand dtype,
+    by name ("wg1", "wg2": its warp groups a CTA), spec_for's among them: what the GPU tests check
+    against float64 and benchmarks/backward_chunk_variants.py times."""
+    spec_for(head_k_dim, head_v_dim)   # ValueError outside BACKWARD_DIMS
+    out = {}
+    for groups in (1, 2):
+        try:
+            out[f"wg{groups}"] = ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, groups)
+        except ValueError:   # a warp-group count these dims do not allow
+            continue
+    return out
+
+
 def render_source(spec: ChunkSpec) -> str:
     """The .cu text of a library (the template only fixes constants)."""
     return render_template(
@@ -189,4 +203,4 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
 
 
 __all__ = ["ABI_VERSION", "BACKWARD_DIMS", "ChunkArgs", "ChunkKernelError", "ChunkSpec", "KIND", "LIBRARIES",
-           "OPERAND_DTYPE", "WARP_GROUPS", "chunk_gradients", "render_source", "spec_for"]
+           "OPERAND_DTYPE", "WARP_GROUPS", "chunk_gradients", "render_source", "spec_for", "variants_for"]
