@@ -162,6 +162,9 @@ struct ChunkGradParams {
   float* dv;            // [chunks, Hv, 64, V]
   float* dbeta;         // [chunks, Hv, 64]
   float* dg;            // [chunks, Hv, 64], the reverse cumulative sum applied
+  // the outputs through their strides too: the backward writes them token-major within each chunk
+  // ([chunks, 64, H, D] in memory), so that one row gather takes them back to token rows
+  ChunkStrides dq_strides, dk_strides, dv_strides, dbeta_strides, dg_strides;
   int64_t num_chunks;
   int32_t num_heads;     // Hv
   int32_t num_qk_heads;  // Hqk, dividing Hv
@@ -382,14 +385,16 @@ __device__ __forceinline__ void store_tile_transposed(const Acc& acc, const Crd&
   for (int e = 0; e < size(acc); ++e) base[tile_offset<R>(get<1>(crd(e)), get<0>(crd(e)))] = Elem(acc(e));
 }
 
-// An accumulator times `scale` into rows of C fp32 values at out (pairs of neighbouring columns).
-template <int C, class Acc, class Crd>
-__device__ __forceinline__ void store_global(const Acc& acc, const Crd& crd, float* out, float scale) {
+// An accumulator times `scale` into fp32 rows `row_stride` elements apart at out (pairs of
+// neighbouring columns; the host checks the stride and base allow float2 stores).
+template <class Acc, class Crd>
+__device__ __forceinline__ void store_global(const Acc& acc, const Crd& crd, float* out, int64_t row_stride,
+                                             float scale) {
   const int r0 = get<0>(crd(0)), c0 = get<1>(crd(0));
-  float* base = out + r0 * C + c0;  // the elements' offsets from the first are constants
+  float* base = out + r0 * row_stride + c0;
   CUTE_UNROLL
   for (int e = 0; e < size(acc); e += 2)
-    *reinterpret_cast<float2*>(base + (get<0>(crd(e)) - r0) * C + (get<1>(crd(e)) - c0)) =
+    *reinterpret_cast<float2*>(base + (get<0>(crd(e)) - r0) * row_stride + (get<1>(crd(e)) - c0)) =
         make_float2(scale * acc(e), scale * acc(e + 1));
 }
 
@@ -577,7 +582,6 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   operands_ready();
 
   float row_g[2] = {0.f, 0.f}, row_b[2] = {0.f, 0.f};  // this thread's two rows' sums, its columns'
-  const int64_t out_ck = tile * C * K, out_cv = tile * C * V;
   // every (64, NC) accumulator's coordinates are the same, so are every (64, NK) one's
   Tensor crdC = acc_coords<typename Cfg::MmaTokTokV, NC>(cc0);
   Tensor crdK = acc_coords<typename Cfg::MmaTokKV, NK>(ck0);
@@ -620,7 +624,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   }
   operands_ready();  // dQK, dw
   gemm_ss<typename Cfg::MmaTokKTok>(sDQK, sKtB, accQ, false);
-  store_global<K>(accQ, crdK, p.dq + out_ck, inv_du / s_k);
+  store_global(accQ, crdK, p.dq + p.dq_strides.at(chunk, hv), p.dq_strides.row, inv_du / s_k);
 
   // ---- 4. dT = (dw K^T) diag(d) + dVn V^T; dA = dT diag(b); dbeta's and E's dA terms; X = dA * Gamma
   {
@@ -656,7 +660,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     Tensor crdV = acc_coords<typename Cfg::MmaTokVTokT, NV>(cv0);
     auto accV = make_acc<typename Cfg::MmaTokVTokT, NV>();
     gemm_ss<typename Cfg::MmaTokVTokT>(sTt, sDVntB, accV, true);
-    store_global<V>(accV, crdV, p.dv + out_cv, 1.f / (s_a0 * unit_d));
+    store_global(accV, crdV, p.dv + p.dv_strides.at(chunk, hv), p.dv_strides.row, 1.f / (s_a0 * unit_d));
   }
   // K K^T for dbeta's rowsum(dL * KK) in step 6
   auto accKK = make_acc<typename Cfg::MmaTokTokK, NC>();
@@ -712,7 +716,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     gemm_ss<typename Cfg::MmaTokKTokT>(sDLbt, sKtB, accK, false);
     scale_acc(accK, s_q / s_k);
     gemm_ss<typename Cfg::MmaTokKTokT>(sDQKt, sQtB, accK, false);
-    store_global<K>(accK, crdK, p.dk + out_ck, inv_du / s_q);
+    store_global(accK, crdK, p.dk + p.dk_strides.at(chunk, hv), p.dk_strides.row, inv_du / s_q);
   }
 
   // ---- 8. dbeta, and dg: the reverse cumulative sum of dgamma
@@ -735,12 +739,12 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     for (int g = 1; g < Cfg::Groups; ++g) x += row[g][r];
     return x;
   };
-  if (tid < C) p.dbeta[tile * C + tid] = (row_sum(ss.row_beta, tid) + col_sum(ss.col_beta, tid)) * inv_du;
+  if (tid < C) p.dbeta[p.dbeta_strides.at(chunk, hv) + tid * p.dbeta_strides.row] = (row_sum(ss.row_beta, tid) + col_sum(ss.col_beta, tid)) * inv_du;
   if (tid == 0) {
     float run = 0.f;
     for (int i = C - 1; i >= 0; --i) {
       run += row_sum(ss.row_gamma, i) - col_sum(ss.col_gamma, i) + (i == C - 1 ? ss.tail : 0.f);
-      p.dg[tile * C + i] = run * inv_du;
+      p.dg[p.dg_strides.at(chunk, hv) + i * p.dg_strides.row] = run * inv_du;
     }
   }
 }

@@ -10,13 +10,14 @@
 
 
 // Bumped whenever FqtBwdChunkArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHUNK_ABI_VERSION 1
+#define FQT_BWD_CHUNK_ABI_VERSION 2
 
 extern "C" {
 // Every tensor is fp32, on the device, in the chunk layout of the batched backward ([chunks, H, 64,
 // D], pad rows zero); q and k per q/k head, everything else per v-head. q, k, v, dout, beta and
-// gamma are read through their element strides (chunk, head, row; columns contiguous, the row
-// stride a multiple of 4 and the base 16-byte aligned for q, k, v, dout), the rest is contiguous.
+// gamma are read and the five outputs written through their element strides (chunk, head, row;
+// columns contiguous; for q, k, v, dout the row stride a multiple of 4 and the base 16-byte
+// aligned, for dq, dk, dv a multiple of 2 and 8 bytes), the rest is contiguous.
 typedef struct FqtBwdChunkArgs {
   int32_t num_heads;      // Hv
   int32_t num_qk_heads;   // Hqk, dividing Hv
@@ -40,6 +41,7 @@ typedef struct FqtBwdChunkArgs {
   float* dv;              // [chunks, Hv, 64, V]
   float* dbeta;           // [chunks, Hv, 64]
   float* dg;              // [chunks, Hv, 64]
+  int64_t dq_strides[3], dk_strides[3], dv_strides[3], dbeta_strides[3], dg_strides[3];
 } FqtBwdChunkArgs;
 }
 
@@ -68,7 +70,13 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
   for (const int64_t* st : {a->q_strides, a->k_strides, a->v_strides, a->dout_strides})
     for (int i = 0; i < 3; ++i)
       if (st[i] < 0 || st[i] % 4) return cudaErrorMisalignedAddress;
-  for (const int64_t* st : {a->beta_strides, a->gamma_strides})
+  // float2 stores of the gradient tiles
+  for (const void* ptr : {a->dq, a->dk, a->dv})
+    if (reinterpret_cast<uintptr_t>(ptr) % 8) return cudaErrorMisalignedAddress;
+  for (const int64_t* st : {a->dq_strides, a->dk_strides, a->dv_strides})
+    for (int i = 0; i < 3; ++i)
+      if (st[i] < 0 || st[i] % 2) return cudaErrorMisalignedAddress;
+  for (const int64_t* st : {a->beta_strides, a->gamma_strides, a->dbeta_strides, a->dg_strides})
     for (int i = 0; i < 3; ++i)
       if (st[i] < 0) return cudaErrorInvalidValue;
   auto strides = [](const int64_t* st) { return ChunkStrides{st[0], st[1], st[2]}; };
@@ -80,7 +88,10 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
                          strides(a->q_strides), strides(a->k_strides), strides(a->v_strides),
                          strides(a->dout_strides), strides(a->beta_strides), strides(a->gamma_strides),
                          a->a0, a->state, a->dstate, a->vn, a->dvn, a->unit_u, a->unit_d,
-                         a->dq, a->dk, a->dv, a->dbeta, a->dg, a->num_chunks, a->num_heads, a->num_qk_heads};
+                         a->dq, a->dk, a->dv, a->dbeta, a->dg,
+                         strides(a->dq_strides), strides(a->dk_strides), strides(a->dv_strides),
+                         strides(a->dbeta_strides), strides(a->dg_strides),
+                         a->num_chunks, a->num_heads, a->num_qk_heads};
   const dim3 grid(unsigned(a->num_chunks * a->num_heads));
   gdn_bwd_chunk_kernel<Cfg><<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(p);
   return cudaGetLastError();

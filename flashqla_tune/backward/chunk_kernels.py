@@ -3,9 +3,9 @@
 Step 3 of chunked_torch's backward as one kernel launch: once the chains (chain_kernels) have given
 every chunk's incoming state S_c and outgoing state gradient dS_{c+1}, `chunk_gradients` computes,
 per (chunk, v-head), dq, dk, dv, dbeta and dg (the reverse cumulative sum over the chunk already
-applied), all per v-head in the padded chunk layout [chunks, Hv, 64, .], fp32, so that the torch
-code after step 3 (back to token rows, the v-heads summed per q/k head, the l2norm backward) stays
-as it is.
+applied), all per v-head in the padded chunk layout [chunks, Hv, 64, .], fp32, through the output
+buffers' strides: the backward hands it views of token-major chunks, so that each gradient goes back
+to token rows in one row gather (the v-heads summed per q/k head before it).
 
 Its inputs are the batched backward's fp32 per-chunk tensors: q and k per q/k head (not repeated
 over the v-heads: the kernel reads each v-head's q/k head), v, the scaled dO, beta, the in-chunk
@@ -32,7 +32,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
-ABI_VERSION = 1      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
+ABI_VERSION = 2      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
 
 
 class ChunkKernelError(BackwardKernelError):
@@ -104,6 +104,7 @@ def render_source(spec: ChunkSpec) -> str:
 
 
 STRIDED = ("q", "k", "v", "dout", "beta", "gamma")  # the inputs read in place through their strides
+OUTPUTS = ("dq", "dk", "dv", "dbeta", "dg")          # written through their strides
 _Strides = ctypes.c_int64 * 3                        # (chunk, head, row), in elements
 
 
@@ -114,7 +115,8 @@ class ChunkArgs(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in STRIDED),
         *((f"{name}_strides", _Strides) for name in STRIDED),
         *((name, ctypes.c_void_p) for name in (
-            "a0", "state", "dstate", "vn", "dvn", "unit_u", "unit_d", "dq", "dk", "dv", "dbeta", "dg")),
+            "a0", "state", "dstate", "vn", "dvn", "unit_u", "unit_d", *OUTPUTS)),
+        *((f"{name}_strides", _Strides) for name in OUTPUTS),
     ]
 
 
@@ -125,21 +127,33 @@ LIBRARIES = LibraryTable(KIND)   # this process's chunk libraries: get(spec), of
 
 # ---------------------------------------------------------------- the launch on torch tensors
 
-def _strides(name: str, t: torch.Tensor, shape: tuple, device) -> tuple[int, int, int]:
-    """The (chunk, head, row) element strides of an input the kernel reads in place (0 along a dim
-    of size 1): fp32 on `device`, non-negative strides; a tile input ([chunks, H, 64, D]) with
-    contiguous columns, 16-byte aligned, rows of whole float4s. ValueError naming what is wrong."""
+def _strides(name: str, t: torch.Tensor, shape: tuple, device, vector: int = 4) -> tuple[int, int, int]:
+    """The (chunk, head, row) element strides of a tensor the kernel reads or writes in place (0
+    along a dim of size 1): fp32 on `device`, non-negative strides; a tile ([chunks, H, 64, D]) with
+    contiguous columns, its rows read (vector = 4, float4s: strides of multiples of 4 elements, a
+    16-byte aligned start) or written (vector = 2, float2s) whole. ValueError naming what is wrong."""
     if tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or not t.is_cuda or t.device != device:
         raise ValueError(f"{name}: expected a torch.float32 tensor of shape {tuple(shape)} on {device}, got "
                          f"{t.dtype} {tuple(t.shape)} on {t.device}")
     strides = tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
     if min(strides, default=0) < 0:
         raise ValueError(f"{name}: negative strides {t.stride()}")
-    if len(shape) == 4 and t.numel() and (strides[3] != 1 or any(s % 4 for s in strides[:3]) or t.data_ptr() % 16):
-        raise ValueError(f"{name}: the kernel reads its rows as float4s: it needs contiguous columns, strides "
-                         f"(chunk, head, row) of multiples of 4 elements and a 16-byte aligned start, got strides "
-                         f"{t.stride()} at {t.data_ptr():#x}")
+    if len(shape) == 4 and t.numel() and (strides[3] != 1 or any(s % vector for s in strides[:3])
+                                          or t.data_ptr() % (4 * vector)):
+        raise ValueError(f"{name}: the kernel {'reads' if vector == 4 else 'writes'} its rows as float{vector}s: "
+                         f"it needs contiguous columns, strides (chunk, head, row) of multiples of {vector} elements "
+                         f"and a {4 * vector}-byte aligned start, got strides {t.stride()} at {t.data_ptr():#x}")
     return strides[:3]
+
+
+def _check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """An output whose elements are distinct memory (one writer each): ValueError otherwise."""
+    reach = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < reach:
+            raise ValueError(f"{name}: its elements overlap in memory (shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}); the kernel needs one address per output element")
+        reach = stride * size
 
 
 def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None,
@@ -155,7 +169,8 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     [chunks, Hv, 64, V]; unit_u, unit_d [chunks, Hv] (powers of two).
     Returns (dq [chunks, Hv, 64, K], dk [chunks, Hv, 64, K], dv [chunks, Hv, 64, V],
     dbeta [chunks, Hv, 64], dg [chunks, Hv, 64]), fp32 and unscaled, written into `out` (those
-    five buffers) when given. spec: the library to launch (default spec_for(K, V), the backward's;
+    five buffers, of any strides _strides allows for writing, no two elements at one address) when
+    given: the backward passes views of token-major chunks ([chunks, 64, Hv, D] in memory). spec: the library to launch (default spec_for(K, V), the backward's;
     a benchmark passes the variants it compares)."""
     NC, Hqk, C, K = q.shape
     Hv, V = v.shape[1], v.shape[3]
@@ -186,16 +201,21 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     shapes = ((NC, Hv, C, K), (NC, Hv, C, K), (NC, Hv, C, V), (NC, Hv, C), (NC, Hv, C))
     if out is None:
         out = tuple(torch.empty(shape, dtype=f32, device=dev) for shape in shapes)
-    else:  # the caller's buffers (tests pass NaN-filled ones to see that every element is written)
-        for name, t, shape in zip(("out dq", "out dk", "out dv", "out dbeta", "out dg"), out, shapes):
-            check_tensor(name, t, shape, f32, dev)
+    elif len(out) != len(OUTPUTS):
+        raise ValueError(f"out: expected {len(OUTPUTS)} buffers {OUTPUTS}, got {len(out)}")
+    # the caller's buffers (tests pass NaN-filled ones to see that every element is written)
+    out_strides = {}
+    for name, t, shape in zip(OUTPUTS, out, shapes):
+        out_strides[name] = _strides(f"out {name}", t, shape, dev, vector=2)
+        _check_no_overlap(f"out {name}", t)
     dq, dk, dv, dbeta, dg = out
     args = ChunkArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC,
                      **{name: ptr(t) for name, t in strided.items()},
                      **{f"{name}_strides": _Strides(*strides[name]) for name in STRIDED},
                      a0=ptr(a0), state=ptr(state),
                      dstate=ptr(dstate), vn=ptr(vn), dvn=ptr(dvn), unit_u=ptr(unit_u), unit_d=ptr(unit_d),
-                     dq=ptr(dq), dk=ptr(dk), dv=ptr(dv), dbeta=ptr(dbeta), dg=ptr(dg))
+                     dq=ptr(dq), dk=ptr(dk), dv=ptr(dv), dbeta=ptr(dbeta), dg=ptr(dg),
+                     **{f"{name}_strides": _Strides(*out_strides[name]) for name in OUTPUTS})
     lib = LIBRARIES.get(spec)
     with torch.cuda.device(dev):  # the launch goes to the current device: make it the tensors'
         lib.launch(args, stream_handle(dev))

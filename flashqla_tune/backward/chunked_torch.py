@@ -159,23 +159,34 @@ def to_chunks(x: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
     return gather_chunks(padded_rows(x[:grid.num_tokens]), grid)
 
 
-def with_spare_chunk(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """An empty [num_chunks + 1, ...] buffer whose last chunk is zero: per-chunk results written into
-    its first num_chunks (a contiguous view) go back to token rows in one gather (from_chunks), the
-    rows of no sequence reading the zero chunk."""
-    out = torch.empty((shape[0] + 1, *shape[1:]), dtype=dtype, device=device)
-    out[-1].zero_()
+def token_major_chunks(num_chunks: int, heads: int, dims: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fp32 buffer [num_chunks + 1, CHUNK, heads, *dims] whose last chunk is zero, and the view
+    [num_chunks, heads, CHUNK, *dims] of its first num_chunks that a kernel writes per-chunk results
+    into: in memory each chunk's rows are token rows, so from_token_major_chunks takes them back to
+    token rows in one row gather."""
+    buf = torch.empty((num_chunks + 1, CHUNK, heads, *dims), dtype=torch.float32, device=device)
+    buf[-1].zero_()
+    return buf, buf[:num_chunks].transpose(1, 2)
+
+
+def from_token_major_chunks(buf: torch.Tensor, grid: ChunkGrid, total_tokens: int, group: int = 1) -> torch.Tensor:
+    """token_major_chunks' buffer [num_chunks + 1, CHUNK, H, D...] -> [T, H / group, D...] token rows
+    (pad slots dropped, rows of no sequence zero), each run of `group` neighbouring heads summed
+    first (the v-heads of one q/k head) while the rows are still contiguous."""
+    rows = buf.view(buf.shape[0] * CHUNK, *buf.shape[2:])
+    if group > 1:
+        rows = rows.view(rows.shape[0], rows.shape[1] // group, group, *rows.shape[2:]).sum(2)
+    if grid.dump_slot:   # a row of no sequence names row 0 of the zero chunk
+        return rows.index_select(0, grid.token_slot)
+    out = rows.new_zeros((total_tokens, *rows.shape[1:]))
+    out[:grid.num_tokens] = rows.index_select(0, grid.token_slot)
     return out
 
 
 def from_chunks(xc: torch.Tensor, grid: ChunkGrid, total_tokens: int) -> torch.Tensor:
     """[num_chunks, H, CHUNK, D...] -> [T, H, D...] token rows (pad slots dropped; rows that belong
-    to no sequence are zero). xc may carry one more chunk, of zeros (with_spare_chunk): then a
-    device grid's rows of no sequence read it and the rows come out of one gather."""
+    to no sequence are zero)."""
     H, rest = xc.shape[1], xc.shape[3:]
-    if grid.dump_slot and xc.shape[0] == grid.num_chunks + 1:
-        # token_slot of a row of no sequence is num_chunks * CHUNK: row 0 of the spare zero chunk
-        return xc[grid.token_slot // CHUNK, :, grid.token_slot % CHUNK]
     flat = xc[:grid.num_chunks].transpose(1, 2).reshape(grid.num_chunks * CHUNK, H, *rest)
     if grid.dump_slot:  # every row names a slot; a row of no sequence the zero row past the chunks
         return torch.cat([flat, flat.new_zeros((1, H, *rest))])[grid.token_slot]
@@ -432,13 +443,13 @@ def chunk_gated_delta_rule_bwd_torch(
             # head, and they, v, dO, beta and gamma read in place from to_chunks' views
             from . import chunk_kernels
 
-            # into buffers with a spare zero chunk, so that each goes back to token rows in one gather
-            f32 = torch.float32
-            per_chunk = tuple(with_spare_chunk(shape, f32, v.device) for shape in (
-                (NC, Hv, CHUNK, K), (NC, Hv, CHUNK, K), (NC, Hv, CHUNK, V), (NC, Hv, CHUNK), (NC, Hv, CHUNK)))
+            # into token-major chunks with a spare zero chunk, so that each goes back to token rows
+            # in one row gather (from_token_major_chunks)
+            token_major = tuple(token_major_chunks(NC, Hv, dims, v.device) for dims in ((K,), (K,), (V,), (), ()))
             chunk_kernels.chunk_gradients(
                 q_chunks, k_chunks, vc, dOs, bc, gamma, A0.contiguous(), h, dh_out, Vn, dVn,
-                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), out=tuple(t[:NC] for t in per_chunk))
+                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), out=tuple(view for _, view in token_major))
+            per_chunk = token_major_out = tuple(buf for buf, _ in token_major)
         else:
             h, Vn, dh_out, dVn = h / unit_u_c, Vn / unit_u_c, dh_out / unit_d_c, dVn / unit_d_c
             per_chunk = None
@@ -448,6 +459,7 @@ def chunk_gated_delta_rule_bwd_torch(
                                               dOs, PtdO, h0, dS_end)
         per_chunk = None
     if per_chunk is None:
+        token_major_out = None
         qc, kc = q_chunks.repeat_interleave(group, dim=1), k_chunks.repeat_interleave(group, dim=1)
         Gamma = decay_mask(gamma)                              # [NC, Hv, C, C]
         A = Gamma * A0
@@ -457,6 +469,8 @@ def chunk_gated_delta_rule_bwd_torch(
     dqc, dkc, dvc, dbc, dgc = per_chunk
 
     def tokens(xc, heads_summed=False):
+        if token_major_out is not None:   # the kernel's token-major chunks
+            return from_token_major_chunks(xc, grid, B * T, group if heads_summed else 1)
         if heads_summed:  # v-heads -> their q/k head
             xc = xc.view(xc.shape[0], Hqk, group, *xc.shape[2:]).sum(2)
         return from_chunks(xc, grid, B * T)
