@@ -21,7 +21,8 @@
 //   kGradients: (1) dVn^T = (P^T dO)^T + dS^T Kd^T                A = dS^T, B = Kd  (t, k) K-major
 //                   and dS^T = e^{gC} dS^T + dO^T (D Q), beside it A = dO^T from shared memory
 //               (2) dS^T += (-dVn^T) w                            A = -dVn^T, B = w viewed (k, t)
-// The fp32 term of phase 1 (u or scale P^T dO) arrives in the stage as a (token, value) tile.
+// The fp32 term of phase 1 (u or scale P^T dO) arrives in the stage as a (token, value) tile and
+// is taken times its chunk's add_scale (the unit the caller runs the chain in).
 //
 // Warp group 0 is the producer: one thread streams each chunk's tiles into a ring of stages
 // (MbarrierPipeline of gdn_pipeline.cuh, filled through TmaProducer of gdn_tma_producer.cuh: TMA
@@ -145,6 +146,7 @@ struct ChainParams {
   typename Cfg::TmaVT tma_do;   // scale dO [chunks, Hv, 64, V] (kGradients)
   // u (kStates) or scale P^T dO (kGradients), fp32 tiles [chunks, Hv, V / BlockV, 64, BlockV]
   const float* add;
+  const float* add_scale;       // [chunks, Hv]: add is read times this (the chain's unit); null: 1
   const float* decay;           // e^{gamma_C} [chunks, Hv]
   const int64_t* segments;      // [num_segments, kSegmentFields] (ChainSegment)
   const int32_t* warmup;        // [Hv] warm-up window in chunks, <= 0 exact; null: every boundary exact
@@ -335,15 +337,23 @@ struct ChainConsumer {
     chain_operand(fragS, accS);
 
     const typename Cfg::MainPipeline pipe(ss.pipeline);
-    // e^{gamma_C} is read one chunk ahead: the state is scaled before phase 1 is issued, so a load
-    // in the same iteration would put a global-memory round trip on the chain.
+    // e^{gamma_C} and the add term's scale are read one chunk ahead: the state is scaled before
+    // phase 1 is issued, so a load in the same iteration would put a global-memory round trip on
+    // the chain.
+    auto add_scale_of = [&](int i) {
+      return p.add_scale ? p.add_scale[range.chunk<Cfg::Gradients>(i) * p.num_heads + hv] : 1.f;
+    };
     float next_decay = range.count > 0 ? p.decay[range.chunk<Cfg::Gradients>(0) * p.num_heads + hv] : 0.f;
+    float next_add_scale = range.count > 0 ? add_scale_of(0) : 0.f;
     for (int i = 0; i < int(range.count); ++i) {
       const PipelineState<Cfg::Stages> ps{i};
       const int64_t c = range.chunk<Cfg::Gradients>(i);
       const int64_t tile = c * p.num_heads + hv;
-      const float decay = next_decay;
-      if (i + 1 < int(range.count)) next_decay = p.decay[range.chunk<Cfg::Gradients>(i + 1) * p.num_heads + hv];
+      const float decay = next_decay, add_scale = next_add_scale;
+      if (i + 1 < int(range.count)) {
+        next_decay = p.decay[range.chunk<Cfg::Gradients>(i + 1) * p.num_heads + hv];
+        next_add_scale = add_scale_of(i + 1);
+      }
       auto& st = ss.tiles.stage[ps.index()];
       Tensor sW = make_tensor(make_smem_ptr(st.w.data()), typename Cfg::LayoutTK{});
       Tensor sWt = make_tensor(make_smem_ptr(st.w.data()), typename Cfg::LayoutKT{});
@@ -389,7 +399,7 @@ struct ChainConsumer {
       CUTE_UNROLL
       for (int e = 0; e < size(accT); ++e) {
         const int vv = get<0>(crdT(e)), tt = get<1>(crdT(e));
-        accT(e) = add[tt * Cfg::BlockV + vv] + kSign * accT(e);
+        accT(e) = add_scale * add[tt * Cfg::BlockV + vv] + kSign * accT(e);
         if (values) values[int64_t(tt) * V + v0 + vv] = accT(e);
       }
       // Phase 2 adds Vn^T Kd (kStates) or -dVn^T w (kGradients).

@@ -10,7 +10,7 @@
 
 
 // Bumped whenever FqtBwdChainArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHAIN_ABI_VERSION 2
+#define FQT_BWD_CHAIN_ABI_VERSION 3
 
 extern "C" {
 // Every tensor is contiguous, on the device, in the chunk layout of the batched backward
@@ -28,6 +28,7 @@ typedef struct FqtBwdChainArgs {
   const void* qd;               // 16-bit [chunks, Hv, 64, K] (gradients)
   const void* dout;             // 16-bit [chunks, Hv, 64, V], the scale folded in (gradients)
   const float* add;             // fp32 [chunks, Hv, V / block_v, 64, block_v]: u, or scale P^T dO
+  const float* add_scale;       // fp32 [chunks, Hv]: each chunk's add is read times this; null: 1
   const float* decay;           // fp32 [chunks, Hv]: e^{gamma_C}
   const int64_t* segments;      // int64 [num_segments, 5]: the sequence's first chunk, the segment's first
                                 // and end chunks, the sequence's end chunk, the sequence (-1: unused)
@@ -55,6 +56,7 @@ cudaError_t chain_launch(const FqtBwdChainArgs& a, cudaStream_t stream) {
       Cfg::tma_tk(static_cast<const Elem*>(Cfg::Gradients ? a.qd : a.w), rows),
       Cfg::tma_vt(static_cast<const Elem*>(Cfg::Gradients ? a.dout : a.w), Cfg::Gradients ? rows : 64),
       a.add,
+      a.add_scale,
       a.decay,
       a.segments,
       a.warmup,

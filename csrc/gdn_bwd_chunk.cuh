@@ -30,7 +30,7 @@
 // fp16's range is made to hold in two ways, both exact (powers of two):
 //  - the chains' quantities come scaled per (sequence, v-head) as the chains ran on them
 //    (chunked_torch._chain_units): S_c and Vn by unit_u, dS_{c+1} and dVn by unit_d, and dO is
-//    scaled by unit_d here. Every output but dv is bilinear in the d side and the u side, so the
+//    scaled by unit_d (and the op's scale) here. Every output but dv is bilinear in the d side and the u side, so the
 //    accumulators hold unit_d * unit_u times the true values (dv: unit_d times), whatever the
 //    loss scale, and are divided back only when stored;
 //  - the tiles the chains do not see (Q, K and V, which without the in-kernel l2norm are the raw
@@ -146,7 +146,7 @@ struct ChunkGradParams {
   const float* q;       // [chunks, Hqk, 64, K] (after the l2norm when the op applies it)
   const float* k;       // [chunks, Hqk, 64, K]
   const float* v;       // [chunks, Hv, 64, V]
-  const float* dout;    // scale dO [chunks, Hv, 64, V]
+  const float* dout;    // dO [chunks, Hv, 64, V], taken times dout_scale
   const float* beta;    // [chunks, Hv, 64]
   const float* gamma;   // in-chunk cumulative gate [chunks, Hv, 64]
   ChunkStrides q_strides, k_strides, v_strides, dout_strides, beta_strides, gamma_strides;
@@ -166,6 +166,7 @@ struct ChunkGradParams {
   // ([chunks, 64, H, D] in memory), so that one row gather takes them back to token rows
   ChunkStrides dq_strides, dk_strides, dv_strides, dbeta_strides, dg_strides;
   int64_t num_chunks;
+  float dout_scale;      // the op's scale
   int32_t num_heads;     // Hv
   int32_t num_qk_heads;  // Hqk, dividing Hv
 };
@@ -558,7 +559,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   const float s_q = stage_normalised<C, K, T>(sQ, p.q + p.q_strides.at(chunk, hq), p.q_strides.row, ss.reduce);
   const float s_k = stage_normalised<C, K, T>(sK, p.k + p.k_strides.at(chunk, hq), p.k_strides.row, ss.reduce);
   const float s_v = stage_normalised<C, V, T>(sV, p.v + p.v_strides.at(chunk, hv), p.v_strides.row, ss.reduce);
-  stage_scaled<C, V, T>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d);
+  stage_scaled<C, V, T>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d * p.dout_scale);
   stage_scaled<C, V, T>(sVn, p.vn + tile * C * V, V, 1.f);
   stage_scaled<C, V, T>(sDVn, p.dvn + tile * C * V, V, 1.f);
   {

@@ -8,9 +8,11 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cmath>
+
 
 // Bumped whenever FqtBwdChunkArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHUNK_ABI_VERSION 2
+#define FQT_BWD_CHUNK_ABI_VERSION 3
 
 extern "C" {
 // Every tensor is fp32, on the device, in the chunk layout of the batched backward ([chunks, H, 64,
@@ -22,10 +24,11 @@ typedef struct FqtBwdChunkArgs {
   int32_t num_heads;      // Hv
   int32_t num_qk_heads;   // Hqk, dividing Hv
   int64_t num_chunks;
+  float dout_scale;       // the op's scale: the kernel's dO is dout_scale times dout
   const float* q;         // [chunks, Hqk, 64, K]
   const float* k;         // [chunks, Hqk, 64, K]
   const float* v;         // [chunks, Hv, 64, V]
-  const float* dout;      // scale dO [chunks, Hv, 64, V]
+  const float* dout;      // dO [chunks, Hv, 64, V]
   const float* beta;      // [chunks, Hv, 64]
   const float* gamma;     // [chunks, Hv, 64] in-chunk cumulative gate
   int64_t q_strides[3], k_strides[3], v_strides[3], dout_strides[3], beta_strides[3], gamma_strides[3];
@@ -52,7 +55,8 @@ template <class Cfg>
 cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
   static_assert(Cfg::SmemBytes <= 227 * 1024, "the CTA's tiles exceed the 227 KiB of shared memory a CTA can have");
   if (a == nullptr) return cudaErrorInvalidValue;
-  if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0)
+  if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
+      !std::isfinite(a->dout_scale))
     return cudaErrorInvalidValue;
   // the grid's x is chunks * Hv (< 2^31)
   if (a->num_chunks * a->num_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
@@ -91,7 +95,7 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
                          a->dq, a->dk, a->dv, a->dbeta, a->dg,
                          strides(a->dq_strides), strides(a->dk_strides), strides(a->dv_strides),
                          strides(a->dbeta_strides), strides(a->dg_strides),
-                         a->num_chunks, a->num_heads, a->num_qk_heads};
+                         a->num_chunks, a->dout_scale, a->num_heads, a->num_qk_heads};
   const dim3 grid(unsigned(a->num_chunks * a->num_heads));
   gdn_bwd_chunk_kernel<Cfg><<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(p);
   return cudaGetLastError();

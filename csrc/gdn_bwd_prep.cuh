@@ -8,10 +8,10 @@
 // X = A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, d = e^{gamma}, f = e^{gamma_C - gamma}:
 //
 //   A    = Gamma * X                       fp32 [64, 64] (and X itself, for the step after the chains)
-//   u    = (A diag(b)) V                   fp32 [64, V]
+//   u    = (A diag(b)) V                   fp32 [64, V]   (stored as the chain's add tiles)
 //   w    = diag(d) (X diag(b)) K           16-bit [64, K]  (= (A diag(b)) diag(d) K: the gate cancels)
 //   Kd   = diag(f) K,  D Q = diag(d) Q     16-bit [64, K]
-//   P^T dO = (Gamma * Q K^T)^T dO          fp32 [64, V]   (dO with the scale folded in)
+//   P^T dO = scale (Gamma * Q K^T)^T dO    fp32 [64, V]   (the add tiles too; scale: dout_scale)
 //   gamma fp32 [64], e^{gamma_C} fp32
 //
 // Its steps are the forward prep's (gdn_prep.cuh), composed for one row block of the chunk
@@ -20,7 +20,9 @@
 // (Q K^T lands in the q tile), the tensor-core solve for X (gdn_prep_solve_mma.cuh) on threads
 // 0..63, while threads 64..127 write Kd, D Q and the gates. Then this kernel's own step: X and
 // Q K^T become A (stored), the operand tiles A diag(b), X diag(b) and P, and three wgmma GEMMs of
-// N = 128 give u, w and P^T dO.
+// N = 128 give u, w and P^T dO. u and P^T dO are stored as the chain kernels read their fp32
+// term (gdn_bwd_chain.cuh): per (chunk, v-head) V / AddBlockV tiles of (64 tokens, AddBlockV
+// values), row-major, so no re-layout runs between this kernel and the chains.
 //
 // Inputs are in the padded chunk layout of the batched backward (chunked_torch.to_chunks): a
 // chunk's 64 rows of a head, pad rows zero, so a tail or a chunk of no sequence needs no mask and
@@ -56,10 +58,12 @@ using namespace cute;
 template <class Cfg>
 struct BwdPrepSharedStorage;
 
-template <class Elem_, int HeadK_, int HeadV_>
+template <class Elem_, int HeadK_, int HeadV_, int AddBlockV_>
 struct BwdPrepConfig {
   using Elem = Elem_;
   static constexpr int HeadK = HeadK_, HeadV = HeadV_;
+  static constexpr int AddBlockV = AddBlockV_;  // the chain kernels' V tile (their BlockV)
+  static_assert(AddBlockV % 2 == 0 && HeadV % AddBlockV == 0, "u and P^T dO are whole add tiles of float2 pairs");
   static_assert(sizeof(Elem) == 2, "the wgmma operands are 16-bit (fp16 or bf16)");
   static_assert(HeadK == 128, "Q K^T's fp32 tile lives in the q tile (K >= 128), a lane covers 4 of K's columns");
   static_assert(HeadV % 64 == 0 && HeadV <= 128, "V is whole swizzle atoms, its accumulators 64 x V in one warp group");
@@ -125,19 +129,20 @@ struct BwdPrepParams {
   PrepArgs<typename Cfg::Prep> prep;
   const typename Cfg::Elem* q;  // [chunks, Hqk, 64, K]: tma_q's tensor, read again for D Q
   const float* v;               // fp32 [chunks, Hv, 64, V] with the strides below (elements)
-  const float* dout;            // scale dO, as v
+  const float* dout;            // dO, as v
   int64_t v_stride[3];          // chunk, head, row
   int64_t dout_stride[3];
   typename Cfg::Elem* w;        // [chunks, Hv, 64, K]
   typename Cfg::Elem* kd;
   typename Cfg::Elem* qd;
-  float* u;                     // [chunks, Hv, 64, V]
-  float* ptdo;                  // [chunks, Hv, 64, V]
+  float* u;                     // [chunks, Hv, V / AddBlockV, 64, AddBlockV]
+  float* ptdo;                  // scale P^T dO, as u
   float* decay;                 // [chunks, Hv]
   float* gamma;                 // [chunks, Hv, 64]
   float* a;                     // [chunks, Hv, 64, 64] Gamma * A0; null: not written
   float* a0;                    // [chunks, Hv, 64, 64] A0; null: not written
   int64_t num_chunks;
+  float dout_scale;             // the op's scale, folded into P^T dO
   int32_t num_heads;            // Hv
   int32_t num_qk_heads;         // Hqk
 };
@@ -325,9 +330,22 @@ __device__ __forceinline__ void store_rows(Out* out, int n_cols, const Acc& acc,
   }
 }
 
-// One wgmma GEMM (64, N) = sA sB over the chunk's 64 rows, waited for, then stored by store_rows.
-template <class Mma, int N, class SA, class SB, class Out, class Factor>
-__device__ __forceinline__ void gemm_and_store(const SA& sA, const SB& sB, Out* out, int tid, Factor&& factor) {
+// The same tile of fp32 values as row blocks of BlockV columns: column c of row r at
+// out[(c / BlockV) * rows * BlockV + r * BlockV + c % BlockV] (the chain kernels' add tiles).
+template <int BlockV, class Acc, class Crd>
+__device__ __forceinline__ void store_column_tiles(float* out, const Acc& acc, const Crd& crd, float factor) {
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc); e += 2) {
+    const int r = get<0>(crd(e)), col = get<1>(crd(e));
+    *reinterpret_cast<float2*>(out + int64_t(col / BlockV) * kChunk * BlockV + r * BlockV + col % BlockV) =
+        make_float2(factor * acc(e), factor * acc(e + 1));
+  }
+}
+
+// One wgmma GEMM (64, N) = sA sB over the chunk's 64 rows, waited for, then stored by `store`
+// (acc, its coordinates).
+template <class Mma, int N, class SA, class SB, class Store>
+__device__ __forceinline__ void gemm_and_store(const SA& sA, const SB& sB, int tid, Store&& store) {
   using Tile = Shape<Int<kChunk>, Int<N>>;
   Mma mma;
   auto thr = mma.get_thread_slice(tid);
@@ -338,7 +356,7 @@ __device__ __forceinline__ void gemm_and_store(const SA& sA, const SB& sB, Out* 
   warpgroup_commit_batch();
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  store_rows(out, N, acc, thr.partition_C(make_identity_tensor(Tile{})), factor);
+  store(acc, thr.partition_C(make_identity_tensor(Tile{})));
 }
 
 // Step D: u = (A diag(b)) V, P^T dO and w = diag(d) (X diag(b)) K on wgmma from the operand
@@ -355,11 +373,17 @@ __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typen
   Tensor sDo = make_tensor(make_smem_ptr(ss.tiles.dout.data()), typename Cfg::LayoutVT{});
   Tensor sKt = make_tensor(make_smem_ptr(ss.prep.tiles.k.data()), typename Cfg::LayoutKT{});
   const float inv_u = ss.inverse[kUnitTm] * ss.inverse[kUnitV];
-  const float inv_p = ss.inverse[kUnitP] * ss.inverse[kUnitDo];
+  const float inv_p = ss.inverse[kUnitP] * ss.inverse[kUnitDo] * p.dout_scale;
   const float inv_w = ss.inverse[kUnitXb];
-  gemm_and_store<typename Cfg::MmaU, V>(sTm, sV, p.u + vrow0 * V, tid, [&](int) { return inv_u; });
-  gemm_and_store<typename Cfg::MmaP, V>(sPt, sDo, p.ptdo + vrow0 * V, tid, [&](int) { return inv_p; });
-  gemm_and_store<typename Cfg::MmaW, K>(sXb, sKt, p.w + vrow0 * K, tid, [&](int r) { return ss.d[r] * inv_w; });
+  gemm_and_store<typename Cfg::MmaU, V>(sTm, sV, tid, [&](const auto& acc, const auto& crd) {
+    store_column_tiles<Cfg::AddBlockV>(p.u + vrow0 * V, acc, crd, inv_u);
+  });
+  gemm_and_store<typename Cfg::MmaP, V>(sPt, sDo, tid, [&](const auto& acc, const auto& crd) {
+    store_column_tiles<Cfg::AddBlockV>(p.ptdo + vrow0 * V, acc, crd, inv_p);
+  });
+  gemm_and_store<typename Cfg::MmaW, K>(sXb, sKt, tid, [&](const auto& acc, const auto& crd) {
+    store_rows(p.w + vrow0 * K, K, acc, crd, [&](int r) { return ss.d[r] * inv_w; });
+  });
 }
 
 // Grid: x = chunk * Hv + v-head. Block: 128 threads.

@@ -8,9 +8,11 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cmath>
+
 
 // Bumped whenever FqtBwdPrepArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_PREP_ABI_VERSION 1
+#define FQT_BWD_PREP_ABI_VERSION 2
 
 extern "C" {
 // Every tensor is on the device in the padded chunk layout of the batched backward ([chunks, H,
@@ -20,19 +22,21 @@ typedef struct FqtBwdPrepArgs {
   int32_t num_heads;          // Hv
   int32_t num_qk_heads;       // Hqk, dividing Hv
   int64_t num_chunks;
+  float dout_scale;           // the op's scale: ptdo is dout_scale P^T dO
+  int32_t add_block_v;        // the library's u / ptdo tile width (the chain kernels' block_v), checked
   const void* q;              // 16-bit [chunks, Hqk, 64, K]
   const void* k;              // 16-bit [chunks, Hqk, 64, K]
   const float* g;             // fp32 [chunks, Hv, 64]
   const float* beta;          // fp32 [chunks, Hv, 64]
   const float* v;             // fp32 [chunks, Hv, 64, V], strides v_stride
-  const float* dout;          // fp32 scale dO, strides dout_stride
+  const float* dout;          // fp32 dO, strides dout_stride
   int64_t v_stride[3];        // chunk, head, row (16-byte multiples)
   int64_t dout_stride[3];
   void* w;                    // 16-bit [chunks, Hv, 64, K]: T D K
   void* kd;                   // 16-bit [chunks, Hv, 64, K]: diag(e^{gamma_C - gamma}) K
   void* qd;                   // 16-bit [chunks, Hv, 64, K]: D Q
-  float* u;                   // fp32 [chunks, Hv, 64, V]: T V
-  float* ptdo;                // fp32 [chunks, Hv, 64, V]: scale P^T dO
+  float* u;                   // fp32 [chunks, Hv, V / add_block_v, 64, add_block_v]: T V
+  float* ptdo;                // fp32, as u: dout_scale P^T dO
   float* decay;               // fp32 [chunks, Hv]: e^{gamma_C}
   float* gamma;               // fp32 [chunks, Hv, 64]
   float* a;                   // fp32 [chunks, Hv, 64, 64]: Gamma * A0; null: not written
@@ -47,7 +51,8 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
   using Prep = typename Cfg::Prep;
   if (a == nullptr) return cudaErrorInvalidValue;
-  if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0)
+  if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
+      a->add_block_v != Cfg::AddBlockV || !std::isfinite(a->dout_scale))
     return cudaErrorInvalidValue;
   // TMA coordinates are int32 (the q/k rows), and so is the grid's x (chunks * Hv).
   if (a->num_chunks * a->num_qk_heads * kChunk >= (int64_t(1) << 31) || a->num_chunks * a->num_heads >= (int64_t(1) << 31))
@@ -87,6 +92,7 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   p.a = a->a;
   p.a0 = a->a0;
   p.num_chunks = a->num_chunks;
+  p.dout_scale = a->dout_scale;
   p.num_heads = a->num_heads;
   p.num_qk_heads = a->num_qk_heads;
   const dim3 grid(unsigned(a->num_chunks * a->num_heads));

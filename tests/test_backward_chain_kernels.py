@@ -60,6 +60,7 @@ def test_add_tiles_layout():
     tiles = chain_kernels.add_tiles(x, 64)
     assert tiles.shape == (2, 3, 2, 64, 64) and tiles.is_contiguous()
     assert torch.equal(tiles[1, 2, 1, 5], x[1, 2, 5, 64:])
+    assert torch.equal(chain_kernels.from_add_tiles(tiles), x)
 
 
 def test_launch_refuses_tensors_it_cannot_take():

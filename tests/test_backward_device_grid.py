@@ -50,6 +50,9 @@ def test_the_device_grid_moves_rows_as_the_host_grid_does(seqlens, tail):
         for group, want in ((1, view), (2, summed)):
             assert torch.equal(chunked_torch.from_token_major_chunks(buf, grid, total, group),
                                chunked_torch.from_chunks(want, grid, total))
+            # rounded before the gather: the same as rounding the gathered rows
+            assert torch.equal(chunked_torch.from_token_major_chunks(buf, grid, total, group, torch.bfloat16),
+                               chunked_torch.from_chunks(want, grid, total).bfloat16())
     padded = chunked_torch.padded_rows(x.double(), torch.float32)
     assert padded.dtype == torch.float32 and not padded[-1].any()
     assert torch.equal(chunked_torch.gather_chunks(padded, dev), chunks)
@@ -66,7 +69,8 @@ def test_the_device_grid_stays_in_bounds_whatever_the_offsets_hold():
 
 class ChainKernelsDouble:
     """Test double of chain_kernels.chain_states / chain_gradients: the same arguments (16-bit operands,
-    fp32 tiles, device segments with the guard's input), the same recurrences walked per segment and
+    fp32 terms as [chunks, Hv, 64, V] or the kernels' add tiles, each times its per-chunk scale where
+    one is given, device segments with the guard's input), the same recurrences walked per segment and
     v-head on the CPU in fp32 with the kernels' warm-up rule (csrc/gdn_bwd_chain.cuh chain_range), and
     NaN in every chunk no segment stores, as the kernels leave those unwritten."""
 
@@ -103,8 +107,16 @@ class ChainKernelsDouble:
                     start = lo if warm else first
                     yield hv, list(range(start, end)), begin - start, seq, not warm, end == last
 
-    def chain_states(self, w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None):
+    @staticmethod
+    def _add_term(add, scale):
+        """The fp32 term as [chunks, Hv, 64, V], times its per-chunk scale."""
+        rows = chain_kernels.from_add_tiles(add) if add.dim() == 5 else add
+        return rows if scale is None else rows * scale[..., None, None]
+
+    def chain_states(self, w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None,
+                     u_scale=None):
         self.calls.append("states")
+        u = self._add_term(u, u_scale)
         states, news, final = self._outputs(w, u, segments)
         for hv, chunks, skip, seq, from_state, to_state in self._walks(segments, window_log_decay, False):
             heads = hv if segments.splits else slice(None)
@@ -120,8 +132,9 @@ class ChainKernelsDouble:
         return states, news, final
 
     def chain_gradients(self, w, kd, qd, dout, ptdo, decay, segments, dht=None, values=True, out=None,
-                        window_log_decay=None):
+                        window_log_decay=None, ptdo_scale=None):
         self.calls.append("gradients")
+        ptdo = self._add_term(ptdo, ptdo_scale)
         grads, dnews, dh0 = self._outputs(w, ptdo, segments)
         for hv, chunks, skip, seq, from_state, to_state in self._walks(segments, window_log_decay, True):
             heads = hv if segments.splits else slice(None)
@@ -137,17 +150,18 @@ class ChainKernelsDouble:
                 dh0[seq, heads] = dS
         return grads, dnews, dh0
 
-    def chunk_gradients(self, q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None):
+    def chunk_gradients(self, q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, dout_scale=1.0,
+                        out=None):
         """The per-chunk gradient kernel's results in torch: step 3 on its inputs, q and k per q/k
-        head, the chains' results divided by their units; written into `out` when given, as the
-        kernel does."""
+        head, dO times dout_scale, the chains' results divided by their units; written into `out`
+        when given, as the kernel does."""
         self.calls.append("chunk")
         group = v.shape[1] // q.shape[1]
         qc, kc = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         Gamma = decay_mask(gamma)
         A = Gamma * a0
         uu, ud = unit_u[..., None, None], unit_d[..., None, None]
-        got = chunked_torch.per_chunk_gradients(qc, kc, v, beta, dout, gamma, Gamma, a0, A, A * beta[..., None, :],
+        got = chunked_torch.per_chunk_gradients(qc, kc, v, beta, dout_scale * dout, gamma, Gamma, a0, A, A * beta[..., None, :],
                                                 gamma.exp()[..., None] * kc, qc @ kc.transpose(-1, -2), state / uu,
                                                 dstate / ud, vn / uu, dvn / ud)
         if out is None:

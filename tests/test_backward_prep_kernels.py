@@ -18,13 +18,15 @@ SPEC = PrepSpec()  # what the backward uses at K = V = 128
 def test_template_only_fixes_constants():
     text = prep_kernels.render_source(PrepSpec(operand_dtype="bfloat16", head_v_dim=64))
     assert '#include "gdn_bwd_prep_host.cuh"' in text
-    assert "fqt::BwdPrepConfig<cutlass::bfloat16_t, /*K=*/128, /*V=*/64>" in text
+    assert "fqt::BwdPrepConfig<cutlass::bfloat16_t, /*K=*/128, /*V=*/64,\n" in text
+    assert "/*AddBlockV=*/64>" in text
     assert f"FQT_BWD_PREP_ABI_VERSION == {prep_kernels.ABI_VERSION}" in text
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(operand_dtype="float32"), "operand_dtype"), (dict(head_k_dim=64), "head_k_dim"),
-    (dict(head_v_dim=256), "head_v_dim")])
+    (dict(head_v_dim=256), "head_v_dim"), (dict(head_v_dim=64, add_block_v=128), "add_block_v"),
+    (dict(add_block_v=32), "add_block_v")])
 def test_spec_refuses_what_the_kernel_does_not_instantiate(bad, match):
     with pytest.raises(ValueError, match=match):
         PrepSpec(**bad)
@@ -34,7 +36,8 @@ def test_spec_for_follows_the_chain_kernels():
     from flashqla_tune.backward import chain_kernels
 
     assert prep_kernels.spec_for(128, 128) == SPEC
-    assert SPEC.torch_dtype == chain_kernels.spec_for(128, 128).torch_dtype
+    chain = chain_kernels.spec_for(128, 128)
+    assert (SPEC.torch_dtype, SPEC.add_block_v) == (chain.torch_dtype, chain.block_v)
     with pytest.raises(ValueError, match="built for"):
         prep_kernels.spec_for(256, 256)
 
@@ -71,10 +74,13 @@ def test_value_rows_must_be_whole_16_byte_pieces():
 
 # ---------------------------------------------------------------- the backward's wiring, on the CPU
 
-def torch_backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_inverse=True, out=None):
+def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, gate_free_inverse=True,
+                        out=None):
     """A stand-in for prep_kernels.backward_prep on any device: the same outputs from the same
     inputs, computed as chunked_torch's torch pieces (fp32), the chain operands rounded to the
-    operand dtype."""
+    operand dtype, u and P^T dO in the chain kernels' add tiles."""
+    from flashqla_tune.backward import chain_kernels
+
     from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse as inverse
 
     group = v.shape[1] // q.shape[1]
@@ -88,8 +94,10 @@ def torch_backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_in
     d, f = gamma.exp()[..., None], (last[..., None] - gamma).exp()[..., None]
     P = Gamma * (qc @ kc.transpose(-1, -2))
     op = q.dtype
+    bv = prep_kernels.spec_for(q.shape[-1], v.shape[-1]).add_block_v
     return prep_kernels.PrepPieces(
-        w=(Tm @ (d * kc)).to(op), kd=(f * kc).to(op), qd=(d * qc).to(op), u=Tm @ v, ptdo=P.transpose(-1, -2) @ dout,
+        w=(Tm @ (d * kc)).to(op), kd=(f * kc).to(op), qd=(d * qc).to(op), u=chain_kernels.add_tiles(Tm @ v, bv),
+        ptdo=chain_kernels.add_tiles(dout_scale * P.transpose(-1, -2) @ dout, bv),
         decay=last.exp(), gamma=gamma, a=A if gated_inverse else None, a0=A0 if gate_free_inverse else None)
 
 

@@ -4,7 +4,8 @@
    replace) on the same per-chunk inputs: S_c, Vn and the final state (kStates); dS_{c+1}, dVn and
    dh0 (kGradients). Relative L2 per output below 2e-3, outputs NaN-poisoned first, three fresh
    draws per case: GVA heads, varlen with tails not a multiple of 64 and empty and one-token
-   sequences, h0 and dht, strong, weak and zero decay.
+   sequences, h0 and dht, strong, weak and zero decay; u and P^T dO given in both of the layouts
+   the kernels take, with and without per-chunk scales.
 2. The op's full gradients on CUDA (whose backward runs the kernels for its two chains, no torch
    loop) against float64 autograd of the chunked float64 forward: relative L2 of each of
    dq, dk, dv, dg, dbeta, dh0 at most max(2 x FLA's error on the same inputs, 2e-3) and below
@@ -101,11 +102,19 @@ def test_chain_kernels_match_float64_loops(name):
         decay = f32(x["decay"])
         out_f = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
         whole = chain_segments.whole_sequences(grid.chunk_offsets)
-        hk, Vnk, final = chain_kernels.chain_states(w, kd, f32(x["u"]), decay, whole, f32(x["h0"]), out=out_f)
+        # odd seeds: the fp32 terms as the prep writes them (the add tiles), each chunk's divided by
+        # a power of two that the kernels multiply back as they read (u_scale, ptdo_scale): exact
+        u, ptdo, add_scale = f32(x["u"]), f32(x["PtdO"]), None
+        if seed % 2:
+            gen = torch.Generator(device=DEV).manual_seed(seed)
+            add_scale = torch.exp2(torch.randint(-3, 4, (NC, Hv), generator=gen, device=DEV).float())
+            u, ptdo = (chain_kernels.add_tiles(t / add_scale[..., None, None], chain_kernels.spec_for(K, V).block_v)
+                       for t in (u, ptdo))
+        hk, Vnk, final = chain_kernels.chain_states(w, kd, u, decay, whole, f32(x["h0"]), out=out_f, u_scale=add_scale)
         out_b = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
         dhk, dVnk, dh0k = chain_kernels.chain_gradients(
-            w, kd, x["Qd"].to(op).contiguous(), x["dOs"].to(op).contiguous(), f32(x["PtdO"]), decay,
-            whole, f32(x["dht"]), out=out_b)
+            w, kd, x["Qd"].to(op).contiguous(), x["dOs"].to(op).contiguous(), ptdo, decay,
+            whole, f32(x["dht"]), out=out_b, ptdo_scale=add_scale)
         torch.cuda.synchronize()
         # the reference's final state: S after each sequence's last chunk
         last = grid.chunk_offsets[1:] - 1

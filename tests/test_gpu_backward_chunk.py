@@ -80,7 +80,8 @@ def per_chunk_case(seed, seqlens, hqk, hv, decay, h0, dht, size, qk):
     q_heads, k_heads = chunked_torch.to_chunks(q, grid), chunked_torch.to_chunks(k, grid)  # per q/k head
     qc, kc = q_heads.repeat_interleave(group, dim=1), k_heads.repeat_interleave(group, dim=1)
     vc, bc = chunked_torch.to_chunks(v, grid), chunked_torch.to_chunks(beta, grid)
-    dOs = K ** -0.5 * chunked_torch.to_chunks(do, grid)
+    do_chunks = chunked_torch.to_chunks(do, grid)
+    dOs = K ** -0.5 * do_chunks
     gamma = chunked_torch.to_chunks(g, grid).cumsum(-1)
     Gamma = decay_mask(gamma)
     A0 = gate_free_inverse(kc, bc)
@@ -103,10 +104,11 @@ def per_chunk_case(seed, seqlens, hqk, hv, decay, h0, dht, size, qk):
     _, unit_d = chunked_torch._chain_units(grid, f32(dOs), None if dht_t is None else f32(dht_t))
     NC = grid.num_chunks
     # q, k, v, dO, beta and gamma as the backward hands them over: to_chunks' views of token rows
-    # (strides kept by .float()), which the kernel reads in place
-    inputs = (q_heads.float(), k_heads.float(), vc.float(), dOs.float(), bc.float(), gamma.float(), f32(A0),
+    # (strides kept by .float()), which the kernel reads in place; dO without the scale, which the
+    # kernel folds in (dout_scale)
+    inputs = (q_heads.float(), k_heads.float(), vc.float(), do_chunks.float(), bc.float(), gamma.float(), f32(A0),
               f32(h * unit_u), f32(dh_out * unit_d), f32(Vn * unit_u), f32(dVn * unit_d),
-              unit_u.view(NC, hv).contiguous(), unit_d.view(NC, hv).contiguous())
+              unit_u.view(NC, hv).contiguous(), unit_d.view(NC, hv).contiguous(), K ** -0.5)
     return want, inputs
 
 

@@ -1,15 +1,15 @@
 """The backward's prep kernel (csrc/gdn_bwd_prep.cuh via backward.prep_kernels) on the H200.
 
 1. Every output against the torch pieces of chunked_torch (the code the kernel replaces) computed
-   in float64 on the same inputs: w, Kd, D Q (16-bit), u, scale P^T dO, A = Gamma * A0 and A0
-   (fp32) below 2e-3 relative L2, gamma and e^{gamma_C} below 1e-5. Outputs NaN-poisoned first;
+   in float64 on the same inputs: w, Kd, D Q (16-bit), u, scale P^T dO (fp32, written in the chain
+   kernels' add tiles), A = Gamma * A0 and A0 (fp32) below 2e-3 relative L2, gamma and e^{gamma_C} below 1e-5. Outputs NaN-poisoned first;
    three fresh draws per case; the chunk grid built on the device (device_chunk_grid, as the
    backward builds it), so tails not a multiple of 64, empty and one-token sequences and the
    grid's spare chunks (zero inputs: A = A0 = I, the rest zero, e^0 = 1) are all covered; GVA;
    strong, weak and zero decay; beta drawn with zeros among it (every fifth token, one head
    entirely). The inputs are what chunked_torch hands the kernel: q and k in the chunk layout in
-   the operand dtype, v and scale dO as to_chunks' fp32 views (not contiguous), g and beta
-   contiguous; the reference takes the float64 values before any rounding.
+   the operand dtype, v and dO as to_chunks' fp32 views (not contiguous; the kernel folds
+   the op's scale into P^T dO), g and beta contiguous; the reference takes the float64 values before any rounding.
 2. A tiny and a large dO (a training step's output gradient, a large loss scale): P^T dO keeps its
    relative accuracy (the kernel scales dO's tile by a power of two before rounding it).
 """
@@ -25,13 +25,14 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from gdn_inputs import float64_tokens, rel_l2  # noqa: E402
 
-from flashqla_tune.backward import chunked_torch, prep_kernels  # noqa: E402
+from flashqla_tune.backward import chain_kernels, chunked_torch, prep_kernels  # noqa: E402
 from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse  # noqa: E402
 
 DEV = "cuda"
 K = V = 128
 KERNEL_BAR = 2e-3   # 16-bit operands (and outputs), fp32 accumulation
 GATE_BAR = 1e-5     # fp32 scans and exponentials
+BLOCK_V = prep_kernels.spec_for(K, V).add_block_v   # the add tiles' width
 LOG = []
 
 # name: (seqlens, hqk, hv, decay)
@@ -81,7 +82,7 @@ def draw(seed, seqlens, hqk, hv, decay, do_size=1.0):
     f32 = {n: x.float() for n, x in dict(q=q, k=k, v=v, do=do, g=g, beta=beta).items()}
     kernel_in = dict(q=to_c(f32["q"]).to(op, memory_format=torch.contiguous_format),
                      k=to_c(f32["k"]).to(op, memory_format=torch.contiguous_format),
-                     v=to_c(f32["v"]), dout=scale * to_c(f32["do"]),
+                     v=to_c(f32["v"]), dout=to_c(f32["do"]), dout_scale=scale,
                      g=to_c(f32["g"]).contiguous(), beta=to_c(f32["beta"]).contiguous())
     return grid, ref_in, kernel_in
 
@@ -90,7 +91,7 @@ def poisoned(NC, Hv, op):
     nan = lambda *s, dt=torch.float32: torch.full(s, float("nan"), dtype=dt, device=DEV)  # noqa: E731
     return prep_kernels.PrepPieces(
         w=nan(NC, Hv, 64, K, dt=op), kd=nan(NC, Hv, 64, K, dt=op), qd=nan(NC, Hv, 64, K, dt=op),
-        u=nan(NC, Hv, 64, V), ptdo=nan(NC, Hv, 64, V), decay=nan(NC, Hv), gamma=nan(NC, Hv, 64),
+        u=nan(NC, Hv, V // BLOCK_V, 64, BLOCK_V), ptdo=nan(NC, Hv, V // BLOCK_V, 64, BLOCK_V), decay=nan(NC, Hv), gamma=nan(NC, Hv, 64),
         a=nan(NC, Hv, 64, 64), a0=nan(NC, Hv, 64, 64))
 
 
@@ -100,6 +101,8 @@ def compare(name, seed, got, want, only=None) -> str:
         if only is not None and what not in only:
             continue
         out = getattr(got, what)
+        if what in ("u", "ptdo"):   # the add tiles, back to [chunks, Hv, 64, V]
+            out = chain_kernels.from_add_tiles(out)
         assert torch.isfinite(out).all(), f"{name} seed={seed}: {what} has non-finite (unwritten) elements"
         err = rel_l2(out.double(), ref)
         bar = GATE_BAR if what in ("gamma", "decay") else KERNEL_BAR

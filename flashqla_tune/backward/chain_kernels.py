@@ -36,7 +36,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chain.cu.j2"
-ABI_VERSION = 2      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
+ABI_VERSION = 3      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
 STATES, GRADIENTS = 0, 1
 
 
@@ -103,7 +103,7 @@ class ChainArgs(ctypes.Structure):
         ("num_chunks", ctypes.c_int64), ("num_seqs", ctypes.c_int64), ("num_segments", ctypes.c_int64),
         ("log_eps", ctypes.c_float), ("reserved", ctypes.c_int32),
         ("w", ctypes.c_void_p), ("kd", ctypes.c_void_p), ("qd", ctypes.c_void_p), ("dout", ctypes.c_void_p),
-        ("add", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("segments", ctypes.c_void_p),
+        ("add", ctypes.c_void_p), ("add_scale", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("segments", ctypes.c_void_p),
         ("warmup", ctypes.c_void_p), ("window_log_decay", ctypes.c_void_p),
         ("state_in", ctypes.c_void_p), ("state_out", ctypes.c_void_p),
         ("chunk_states", ctypes.c_void_p), ("chunk_values", ctypes.c_void_p),
@@ -123,10 +123,27 @@ def add_tiles(x: torch.Tensor, block_v: int) -> torch.Tensor:
     return x.reshape(NC, Hv, C, V // block_v, block_v).transpose(2, 3).contiguous()
 
 
-def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state_in, values, qd=None, dout=None,
-         out=None):
+def from_add_tiles(tiles: torch.Tensor) -> torch.Tensor:
+    """add_tiles' inverse: [chunks, Hv, V / block_v, 64, block_v] -> [chunks, Hv, 64, V] (a copy)."""
+    NC, Hv, n, C, bv = tiles.shape
+    return tiles.transpose(2, 3).reshape(NC, Hv, C, n * bv)
+
+
+def _add_operand(add: torch.Tensor, block_v: int, shape: tuple, device) -> torch.Tensor:
+    """The fp32 term of phase 1 as the kernels read it: [chunks, Hv, 64, V] (tiled here, a copy) or
+    already tiled (add_tiles' layout, contiguous: the prep kernel writes it so)."""
+    NC, Hv, C, V = shape
+    if add.dim() == 5:
+        check_tensor("add", add, (NC, Hv, V // block_v, C, block_v), torch.float32, device)
+        return add
+    check_tensor("add", add, shape, torch.float32, device)
+    return add_tiles(add, block_v)
+
+
+def _run(direction: int, *, w, kd, add, add_scale, decay, segments, window_log_decay, state_in, values, qd=None,
+         dout=None, out=None):
     NC, Hv, C, K = w.shape
-    V = add.shape[-1]
+    V = add.shape[-1] * (add.shape[2] if add.dim() == 5 else 1)
     if not isinstance(segments, ChainSegments):
         raise TypeError(f"segments must be chain_segments.ChainSegments, got {type(segments).__name__}")
     N, S = segments.num_seqs, segments.num_segments
@@ -137,8 +154,9 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
     dev = w.device
     check_tensor("w", w, (NC, Hv, C, K), op)
     check_tensor("kd", kd, (NC, Hv, C, K), op, dev)
-    check_tensor("add", add, (NC, Hv, C, V), torch.float32, dev)
     check_tensor("decay", decay, (NC, Hv), torch.float32, dev)
+    if add_scale is not None:
+        check_tensor("add_scale", add_scale, (NC, Hv), torch.float32, dev)
     check_tensor("segments", segments.table, (S, SEGMENT_FIELDS), torch.int64, dev)
     if S < N:
         raise ValueError(f"{S} segments for {N} sequences: every sequence needs one")
@@ -157,7 +175,7 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
     if NC * Hv * CHUNK >= 2 ** 31:
         raise ValueError(f"{NC} chunks x {Hv} heads x {CHUNK} rows = {NC * Hv * CHUNK} rows: the chain kernels' TMA "
                          f"coordinates are int32 (fewer than 2^31 rows); split the batch")
-    tiles = add_tiles(add, spec.block_v)
+    tiles = _add_operand(add, spec.block_v, (NC, Hv, C, V), dev)
     if out is None:
         chunk_states = torch.empty(NC, Hv, K, V, dtype=torch.float32, device=dev)
         chunk_values = torch.empty(NC, Hv, C, V, dtype=torch.float32, device=dev) if values else None
@@ -171,7 +189,7 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
     split = segments.splits
     args = ChainArgs(direction=direction, num_heads=Hv, num_chunks=NC, num_seqs=N, num_segments=S,
                      log_eps=segments.log_eps if split else 0.0, reserved=0, w=ptr(w), kd=ptr(kd),
-                     qd=ptr(qd), dout=ptr(dout), add=ptr(tiles), decay=ptr(decay), segments=ptr(segments.table),
+                     qd=ptr(qd), dout=ptr(dout), add=ptr(tiles), add_scale=ptr(add_scale), decay=ptr(decay), segments=ptr(segments.table),
                      warmup=ptr(segments.warmup) if split else None,
                      window_log_decay=ptr(window_log_decay) if split else None,
                      state_in=ptr(state_in), state_out=ptr(state_out),
@@ -182,29 +200,32 @@ def _run(direction: int, *, w, kd, add, decay, segments, window_log_decay, state
     return chunk_states, chunk_values, state_out
 
 
-def chain_states(w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None):
+def chain_states(w, kd, u, decay, segments, h0=None, values=True, out=None, window_log_decay=None, u_scale=None):
     """The forward chain over every sequence's chunks, on the device's current stream.
 
-    w, kd [chunks, Hv, 64, K] in the operand dtype; u [chunks, Hv, 64, V] fp32; decay (e^{gamma_C})
+    w, kd [chunks, Hv, 64, K] in the operand dtype; u [chunks, Hv, 64, V] fp32, or its add_tiles
+    layout; u_scale [chunks, Hv] fp32 or None: the chain runs on u times it per chunk; decay (e^{gamma_C})
     [chunks, Hv] fp32; segments (chain_segments.ChainSegments, on the device) what the CTAs walk:
     whole_sequences(chunk_offsets), or split_sequences(...) with window_log_decay [chunks, Hv] fp32
     (chain_segments.window_log_decay) for the guard; h0 fp32 [N, Hv, K, V] or None (zeros).
     Returns (S_c [chunks, Hv, K, V], Vn [chunks, Hv, 64, V] or None, final state [N, Hv, K, V]), fp32,
     written into `out` (those three buffers) when given."""
-    return _run(STATES, w=w, kd=kd, add=u, decay=decay, segments=segments, window_log_decay=window_log_decay,
+    return _run(STATES, w=w, kd=kd, add=u, add_scale=u_scale, decay=decay, segments=segments, window_log_decay=window_log_decay,
                 state_in=h0, values=values, out=out)
 
 
-def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=True, out=None, window_log_decay=None):
+def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=True, out=None, window_log_decay=None,
+                    ptdo_scale=None):
     """The reverse chain of the state gradient, on the device's current stream.
 
     w, kd, qd (D Q) [chunks, Hv, 64, K] and dout (scale dO) [chunks, Hv, 64, V] in the operand dtype;
-    ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32; decay, segments, window_log_decay as for chain_states; dht fp32
+    ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32 or its add_tiles layout, taken times ptdo_scale
+    [chunks, Hv] fp32 per chunk where given (dout must then carry the same factor); decay, segments, window_log_decay as for chain_states; dht fp32
     [N, Hv, K, V] or None (zeros). Returns (dS_{c+1} [chunks, Hv, K, V], dVn [chunks, Hv, 64, V] or
     None, dh0 [N, Hv, K, V]), fp32, written into `out` when given."""
-    return _run(GRADIENTS, w=w, kd=kd, add=ptdo, decay=decay, segments=segments, window_log_decay=window_log_decay,
+    return _run(GRADIENTS, w=w, kd=kd, add=ptdo, add_scale=ptdo_scale, decay=decay, segments=segments, window_log_decay=window_log_decay,
                 state_in=dht, values=values, qd=qd, dout=dout, out=out)
 
 
 __all__ = ["ABI_VERSION", "ChainArgs", "ChainKernelError", "ChainSpec", "KIND", "LIBRARIES", "OPERAND_DTYPE",
-           "add_tiles", "chain_gradients", "chain_states", "render_source", "spec_for"]
+           "add_tiles", "chain_gradients", "from_add_tiles", "chain_states", "render_source", "spec_for"]

@@ -23,6 +23,7 @@ never synchronise.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
-ABI_VERSION = 2      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
+ABI_VERSION = 3      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
 
 
 class ChunkKernelError(BackwardKernelError):
@@ -112,6 +113,7 @@ class ChunkArgs(ctypes.Structure):
     """ctypes mirror of FqtBwdChunkArgs (csrc/gdn_bwd_chunk_host.cuh); the library reports its size."""
     _fields_ = [
         ("num_heads", ctypes.c_int32), ("num_qk_heads", ctypes.c_int32), ("num_chunks", ctypes.c_int64),
+        ("dout_scale", ctypes.c_float),
         *((name, ctypes.c_void_p) for name in STRIDED),
         *((f"{name}_strides", _Strides) for name in STRIDED),
         *((name, ctypes.c_void_p) for name in (
@@ -156,12 +158,13 @@ def _check_no_overlap(name: str, t: torch.Tensor) -> None:
         reach = stride * size
 
 
-def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, out=None,
-                    spec: ChunkSpec | None = None):
+def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, dout_scale=1.0,
+                    out=None, spec: ChunkSpec | None = None):
     """Step 3 of the backward for every (chunk, v-head), on the device's current stream.
 
     fp32, on one CUDA device, in the chunk layout: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv;
-    v-head h reads q/k head h // (Hv / Hqk)); v, dout (scale dO) [chunks, Hv, 64, V]; beta, gamma
+    v-head h reads q/k head h // (Hv / Hqk)); v, dout (dO, taken times dout_scale, the op's scale)
+    [chunks, Hv, 64, V]; beta, gamma
     (the in-chunk cumulative gate) [chunks, Hv, 64] -- these six read in place through their strides
     (to_chunks' views of token rows need no copy; _strides says what they must be) --;
     and contiguous: a0 [chunks, Hv, 64, 64]; state
@@ -209,7 +212,9 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
         out_strides[name] = _strides(f"out {name}", t, shape, dev, vector=2)
         _check_no_overlap(f"out {name}", t)
     dq, dk, dv, dbeta, dg = out
-    args = ChunkArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC,
+    if not math.isfinite(dout_scale):
+        raise ValueError(f"dout_scale={dout_scale} must be finite")
+    args = ChunkArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, dout_scale=float(dout_scale),
                      **{name: ptr(t) for name, t in strided.items()},
                      **{f"{name}_strides": _Strides(*strides[name]) for name in STRIDED},
                      a0=ptr(a0), state=ptr(state),

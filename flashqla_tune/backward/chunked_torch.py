@@ -169,13 +169,17 @@ def token_major_chunks(num_chunks: int, heads: int, dims: tuple, device) -> tupl
     return buf, buf[:num_chunks].transpose(1, 2)
 
 
-def from_token_major_chunks(buf: torch.Tensor, grid: ChunkGrid, total_tokens: int, group: int = 1) -> torch.Tensor:
+def from_token_major_chunks(buf: torch.Tensor, grid: ChunkGrid, total_tokens: int, group: int = 1,
+                            dtype: torch.dtype | None = None) -> torch.Tensor:
     """token_major_chunks' buffer [num_chunks + 1, CHUNK, H, D...] -> [T, H / group, D...] token rows
-    (pad slots dropped, rows of no sequence zero), each run of `group` neighbouring heads summed
-    first (the v-heads of one q/k head) while the rows are still contiguous."""
+    in `dtype` (default the buffer's; pad slots dropped, rows of no sequence zero), each run of
+    `group` neighbouring heads summed first (the v-heads of one q/k head) while the rows are still
+    contiguous, and rounded to `dtype` before the gather, which then moves the narrower rows."""
     rows = buf.view(buf.shape[0] * CHUNK, *buf.shape[2:])
     if group > 1:
         rows = rows.view(rows.shape[0], rows.shape[1] // group, group, *rows.shape[2:]).sum(2)
+    if dtype is not None:
+        rows = rows.to(dtype)
     if grid.dump_slot:   # a row of no sequence names row 0 of the zero chunk
         return rows.index_select(0, grid.token_slot)
     out = rows.new_zeros((total_tokens, *rows.shape[1:]))
@@ -316,12 +320,13 @@ def _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group: int) -> dict:
                 PtdO=P.transpose(-1, -2) @ dOs)
 
 
-def _prep_pieces(sequential: str, grid: ChunkGrid, q_chunks, k_chunks, vc, dOs, gc, bc):
+def _prep_pieces(sequential: str, grid: ChunkGrid, q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
     """The state-independent pieces from the prep kernel (prep_kernels.backward_prep: the chains'
     inputs, gamma and A0), or None where "auto" cannot build or open its library: said once in a
     warning and remembered, and the torch pieces run instead; "kernels" raises the error. q_chunks,
-    k_chunks [NC, Hqk, C, K] fp32 (normalised where the op normalises), vc and dOs to_chunks' fp32
-    views, gc and bc [NC, Hv, C]."""
+    k_chunks [NC, Hqk, C, K] fp32 (normalised where the op normalises), vc and do_chunks
+    to_chunks' fp32 views (dO without the scale, which the kernel folds into P^T dO), gc and bc
+    [NC, Hv, C]. Its u and scale P^T dO come in the chain kernels' tiles (chain_kernels.add_tiles)."""
     from . import prep_kernels
 
     K, V = q_chunks.shape[-1], vc.shape[-1]
@@ -331,7 +336,8 @@ def _prep_pieces(sequential: str, grid: ChunkGrid, q_chunks, k_chunks, vc, dOs, 
     spec = prep_kernels.spec_for(K, V)
     op = spec.torch_dtype
     q16, k16 = (x.to(op, memory_format=torch.contiguous_format) for x in (q_chunks, k_chunks))
-    return prep_kernels.backward_prep(q16, k16, vc, dOs, gc.contiguous(), bc.contiguous(), gated_inverse=False)
+    return prep_kernels.backward_prep(q16, k16, vc, do_chunks, gc.contiguous(), bc.contiguous(), dout_scale=scale,
+                                      gated_inverse=False)
 
 
 def chunk_gated_delta_rule_bwd_torch(
@@ -397,14 +403,16 @@ def chunk_gated_delta_rule_bwd_torch(
     vc = chunks(v)                                             # [NC, Hv, C, V]
     bc = chunks(beta)                                          # [NC, Hv, C]
     gc = chunks(g)                                             # [NC, Hv, C]
-    dOs = scale * chunks(do)                                   # scale folded into dO
+    do_chunks = chunks(do)                                     # [NC, Hv, C, V], the scale not applied
     h0 = None if initial_state is None else kv_state(initial_state)
     dS_end = None if dht is None else kv_state(dht)
     # With the chain kernels the state-independent pieces come from one prep kernel launch
     # (prep_kernels) and step 3 is one kernel launch (chunk_kernels); each falls back to torch, with
     # one warning, where its library cannot be had.
-    pieces = _prep_pieces(sequential, grid, q_chunks, k_chunks, vc, dOs, gc, bc) if kernels else None
+    pieces = _prep_pieces(sequential, grid, q_chunks, k_chunks, vc, do_chunks, scale, gc, bc) if kernels else None
     step3_kernel = kernels and _chunk_library_or_none(sequential, K, V) is not None
+    # the torch code takes dO with the scale folded in; the kernels fold it in as they read dO
+    dOs = None if pieces is not None and step3_kernel else scale * do_chunks
     torch_pieces = None if pieces is not None else _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group)
     if pieces is not None:
         gamma, A0, u, PtdO = pieces.gamma, pieces.a0, pieces.u, pieces.ptdo
@@ -418,6 +426,7 @@ def chunk_gated_delta_rule_bwd_torch(
         # and independent of what else is in the batch), so that a training step's tiny output
         # gradients neither underflow nor lose their mantissa in the 16-bit operands and a large
         # state does not overflow them; step 3 takes the results so scaled, or they are scaled back.
+        # The chains take u and scale P^T dO as the prep wrote them and apply the units as they read.
         from . import chain_kernels
 
         op = chain_kernels.spec_for(K, V).torch_dtype
@@ -428,14 +437,16 @@ def chunk_gated_delta_rule_bwd_torch(
             chunk_decay = gamma_last.exp().contiguous()
         segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, k_chunks, group)
         unit_u, unit_u_c = _chain_units(grid, u, h0)
-        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, (u * unit_u_c).contiguous(), chunk_decay, segments,
+        h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, u, chunk_decay, segments,
                                               None if h0 is None else (h0 * unit_u).contiguous(),
-                                              window_log_decay=guard)
-        unit_d, unit_d_c = _chain_units(grid, dOs, dS_end)
+                                              window_log_decay=guard, u_scale=unit_u_c.view(NC, Hv))
+        unit_d, unit_d_c = _chain_units(grid, do_chunks, dS_end, per_chunk_scale=scale)
+        dout_op = torch.empty(do_chunks.shape, dtype=op, device=v.device)   # scaled and rounded in one pass
+        torch.mul(do_chunks, scale * unit_d_c, out=dout_op)
         dh_out, dVn, dS = chain_kernels.chain_gradients(
-            w_op, Kd_op, Qd_op, (dOs * unit_d_c).to(op).contiguous(),
-            (PtdO * unit_d_c).contiguous(), chunk_decay, segments,
-            None if dS_end is None else (dS_end * unit_d).contiguous(), window_log_decay=guard)
+            w_op, Kd_op, Qd_op, dout_op, PtdO, chunk_decay, segments,
+            None if dS_end is None else (dS_end * unit_d).contiguous(), window_log_decay=guard,
+            ptdo_scale=unit_d_c.view(NC, Hv))
         dS = dS / unit_d
         if step3_kernel:
             # 3 as one kernel launch on the chains' results as they come, still scaled by the units
@@ -447,8 +458,9 @@ def chunk_gated_delta_rule_bwd_torch(
             # in one row gather (from_token_major_chunks)
             token_major = tuple(token_major_chunks(NC, Hv, dims, v.device) for dims in ((K,), (K,), (V,), (), ()))
             chunk_kernels.chunk_gradients(
-                q_chunks, k_chunks, vc, dOs, bc, gamma, A0.contiguous(), h, dh_out, Vn, dVn,
-                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), out=tuple(view for _, view in token_major))
+                q_chunks, k_chunks, vc, do_chunks, bc, gamma, A0.contiguous(), h, dh_out, Vn, dVn,
+                unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), dout_scale=scale,
+                out=tuple(view for _, view in token_major))
             per_chunk = token_major_out = tuple(buf for buf, _ in token_major)
         else:
             h, Vn, dh_out, dVn = h / unit_u_c, Vn / unit_u_c, dh_out / unit_d_c, dVn / unit_d_c
@@ -468,14 +480,16 @@ def chunk_gated_delta_rule_bwd_torch(
                                         qc @ kc.transpose(-1, -2), h, dh_out, Vn, dVn)
     dqc, dkc, dvc, dbc, dgc = per_chunk
 
-    def tokens(xc, heads_summed=False):
+    def tokens(xc, dtype, heads_summed=False):
         if token_major_out is not None:   # the kernel's token-major chunks
-            return from_token_major_chunks(xc, grid, B * T, group if heads_summed else 1)
+            return from_token_major_chunks(xc, grid, B * T, group if heads_summed else 1, dtype)
         if heads_summed:  # v-heads -> their q/k head
             xc = xc.view(xc.shape[0], Hqk, group, *xc.shape[2:]).sum(2)
-        return from_chunks(xc, grid, B * T)
+        return from_chunks(xc, grid, B * T).to(dtype)
 
-    dqf, dkf = tokens(dqc, True), tokens(dkc, True)
+    # with the l2norm, dq and dk go on through its backward in the compute dtype
+    qk_dtypes = (dt, dt) if use_qk_l2norm_in_kernel else (q.dtype, k.dtype)
+    dqf, dkf = tokens(dqc, qk_dtypes[0], True), tokens(dkc, qk_dtypes[1], True)
     if use_qk_l2norm_in_kernel:
         dqf, dkf = l2_normalize_backward(q_raw, dqf), l2_normalize_backward(k_raw, dkf)
     dh0 = None
@@ -483,9 +497,9 @@ def chunk_gated_delta_rule_bwd_torch(
         dh0 = (dS.transpose(-1, -2) if state_v_first else dS).contiguous().to(initial_state.dtype)
     return GDNGradients(
         dq=dqf.view(B, T, Hqk, K).to(q.dtype), dk=dkf.view(B, T, Hqk, K).to(k.dtype),
-        dv=tokens(dvc).view(B, T, Hv, V).to(v.dtype),
-        dg=tokens(dgc).view(B, T, Hv).to(torch.promote_types(dt, torch.float32)),
-        dbeta=tokens(dbc).view(B, T, Hv).to(beta.dtype), dh0=dh0)
+        dv=tokens(dvc, v.dtype).view(B, T, Hv, V),
+        dg=tokens(dgc, torch.promote_types(dt, torch.float32)).view(B, T, Hv),
+        dbeta=tokens(dbc, beta.dtype).view(B, T, Hv), dh0=dh0)
 
 
 def per_chunk_gradients(qc, kc, vc, bc, dOs, gamma, Gamma, A0, A, Tm, Kdd, QK, h, dh_out, Vn, dVn):
@@ -542,16 +556,20 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
     return chain_segments.whole_sequences(grid.chunk_offsets), None
 
 
-def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None):
+def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None,
+                 per_chunk_scale: float = 1.0):
     """Powers of two, one per (sequence, v-head), that take the largest magnitude of a chain's inputs
-    (per_chunk [NC, Hv, ...] rows of the sequence's chunks, per_sequence [N, Hv, ...] or None) near 1
+    (per_chunk_scale times per_chunk [NC, Hv, ...], the sequence's chunks in any layout,
+    per_sequence [N, Hv, ...] or None) near 1
     (into [1, 2), or just below 1 where fp32's log2 rounds up to a power of two); 1 where they are
     all zero. Returns them as [N, Hv, 1, 1] and per chunk [NC, Hv, 1, 1].
     Computed on the device, no host sync. A non-finite input is not scaled away: its sequence's
     results come out non-finite too."""
     N, Hv = grid.num_seqs, per_chunk.shape[1]
     # the largest |x| in one reduction (no |x| tensor); a NaN propagates as amax would
-    chunk_amax = torch.linalg.vector_norm(per_chunk, float("inf"), dim=(-2, -1))   # [NC, Hv]
+    chunk_amax = torch.linalg.vector_norm(per_chunk, float("inf"), dim=tuple(range(2, per_chunk.dim())))  # [NC, Hv]
+    if per_chunk_scale != 1.0:
+        chunk_amax = chunk_amax * abs(per_chunk_scale)
     owner = grid.chunk_sequence[:, None].expand_as(chunk_amax)
     amax = per_chunk.new_zeros(N, Hv).scatter_reduce_(0, owner, chunk_amax, "amax")
     if per_sequence is not None:

@@ -2,10 +2,10 @@
 
 One kernel launch computes, for every chunk and v-head, what chunked_torch batches in torch before
 its chains: the chain kernels' inputs w, Kd and D Q (in the chains' 16-bit operand dtype), u and
-scale P^T dO (fp32) and e^{gamma_C}, and for the per-chunk gradients gamma, A = Gamma * A0 and A0
-(fp32), all in the padded chunk layout [chunks, Hv, 64, D]. It reads the chunk layout too: q and k
-[chunks, Hqk, 64, K] in the operand dtype (normalised by torch where the op normalises), v and
-scale dO [chunks, Hv, 64, V] fp32 (any chunk, head and row strides: to_chunks' views are taken as
+scale P^T dO (fp32, in the tiles the chains read: chain_kernels.add_tiles) and e^{gamma_C}, and for
+the per-chunk gradients gamma, A = Gamma * A0 and A0 (fp32), all else in the padded chunk layout
+[chunks, Hv, 64, D]. It reads the chunk layout too: q and k [chunks, Hqk, 64, K] in the operand
+dtype (normalised by torch where the op normalises), v and dO [chunks, Hv, 64, V] fp32 (any chunk, head and row strides: to_chunks' views are taken as
 they are), g and beta [chunks, Hv, 64] fp32. The head counts are runtime values, so one library
 serves every head configuration of a (K, V).
 
@@ -16,6 +16,7 @@ current stream and never synchronise.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_prep.cu.j2"
-ABI_VERSION = 1      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
+ABI_VERSION = 2      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
 
 class PrepKernelError(BackwardKernelError):
     """The prep kernel cannot be built, loaded or launched here; the message says why."""
@@ -32,10 +33,12 @@ class PrepKernelError(BackwardKernelError):
 
 @dataclass(frozen=True)
 class PrepSpec(LibrarySpec):
-    """What one prep library is compiled for: the 16-bit operand dtype (the chains') and the head dims."""
+    """What one prep library is compiled for: the 16-bit operand dtype (the chains'), the head dims
+    and the V tile of the u and P^T dO it writes (the chains' block_v)."""
     operand_dtype: str = "float16"
     head_k_dim: int = 128
     head_v_dim: int = 128
+    add_block_v: int = 64
 
     def __post_init__(self) -> None:
         self._check_operand_dtype()
@@ -43,19 +46,22 @@ class PrepSpec(LibrarySpec):
             raise ValueError(f"PrepSpec.head_k_dim={self.head_k_dim} must be 128 (Q K^T's fp32 tile lives in the q tile)")
         if self.head_v_dim not in (64, 128):
             raise ValueError(f"PrepSpec.head_v_dim={self.head_v_dim} must be 64 or 128")
+        if self.add_block_v not in (64, 128) or self.head_v_dim % self.add_block_v:
+            raise ValueError(f"PrepSpec.add_block_v={self.add_block_v} must be 64 or 128 and divide "
+                             f"head_v_dim={self.head_v_dim}")
 
     @property
     def name(self) -> str:
-        return f"gdn_bwd_prep_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}"
+        return f"gdn_bwd_prep_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}_bv{self.add_block_v}"
 
 
 def spec_for(head_k_dim: int, head_v_dim: int) -> PrepSpec:
-    """The prep library the backward uses beside chain_kernels.spec_for(K, V): its operand dtype, for
-    the dims the chains are built for (ValueError elsewhere)."""
+    """The prep library the backward uses beside chain_kernels.spec_for(K, V): its operand dtype and
+    V tile, for the dims the chains are built for (ValueError elsewhere)."""
     from . import chain_kernels
 
     chain = chain_kernels.spec_for(head_k_dim, head_v_dim)
-    return PrepSpec(chain.operand_dtype, head_k_dim, head_v_dim)
+    return PrepSpec(chain.operand_dtype, head_k_dim, head_v_dim, chain.block_v)
 
 
 def render_source(spec: PrepSpec) -> str:
@@ -63,13 +69,15 @@ def render_source(spec: PrepSpec) -> str:
     return render_template(
         TEMPLATE_NAME, name=spec.name, abi_version=ABI_VERSION,
         spec_json=spec_json(spec),
-        element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim)
+        element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
+        add_block_v=spec.add_block_v)
 
 
 class PrepArgs(ctypes.Structure):
     """ctypes mirror of FqtBwdPrepArgs (csrc/gdn_bwd_prep_host.cuh); the library reports its size."""
     _fields_ = [
         ("num_heads", ctypes.c_int32), ("num_qk_heads", ctypes.c_int32), ("num_chunks", ctypes.c_int64),
+        ("dout_scale", ctypes.c_float), ("add_block_v", ctypes.c_int32),
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("g", ctypes.c_void_p), ("beta", ctypes.c_void_p),
         ("v", ctypes.c_void_p), ("dout", ctypes.c_void_p),
         ("v_stride", ctypes.c_int64 * 3), ("dout_stride", ctypes.c_int64 * 3),
@@ -92,8 +100,8 @@ class PrepPieces:
     w: torch.Tensor       # operand dtype [., 64, K]: T D K
     kd: torch.Tensor      # operand dtype [., 64, K]: diag(e^{gamma_C - gamma}) K
     qd: torch.Tensor      # operand dtype [., 64, K]: D Q
-    u: torch.Tensor       # fp32 [., 64, V]: T V
-    ptdo: torch.Tensor    # fp32 [., 64, V]: scale P^T dO
+    u: torch.Tensor       # fp32 [chunks, Hv, V / bv, 64, bv] (chain_kernels.add_tiles, bv = add_block_v): T V
+    ptdo: torch.Tensor    # fp32, as u: scale P^T dO
     decay: torch.Tensor   # fp32 [chunks, Hv]: e^{gamma_C}
     gamma: torch.Tensor   # fp32 [., 64]
     a: torch.Tensor | None   # fp32 [., 64, 64]: Gamma * A0
@@ -110,12 +118,13 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple, device) -> None:
                          f"strides {t.stride()} on {t.device}")
 
 
-def backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_inverse=True, out=None) -> PrepPieces:
+def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, gate_free_inverse=True,
+                  out=None) -> PrepPieces:
     """The state-independent pieces of the backward, one launch on the device's current stream.
 
     q, k [chunks, Hqk, 64, K] contiguous in the operand dtype (PrepSpec.torch_dtype); v and dout
-    (scale dO) fp32 [chunks, Hv, 64, V], last dim contiguous; g, beta fp32 [chunks, Hv, 64]
-    contiguous; all in the padded chunk layout (pad rows zero). gated_inverse / gate_free_inverse:
+    (dO) fp32 [chunks, Hv, 64, V], last dim contiguous; g, beta fp32 [chunks, Hv, 64] contiguous;
+    all in the padded chunk layout (pad rows zero). dout_scale: the op's scale, folded into ptdo. gated_inverse / gate_free_inverse:
     whether A and A0 are written. out: a PrepPieces of the caller's buffers (tests pass NaN-filled
     ones to see that every element is written)."""
     NC, Hqk, C, K = q.shape
@@ -136,7 +145,11 @@ def backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_inverse=
     if NC * max(Hqk, Hv) * CHUNK >= 2 ** 31:
         raise ValueError(f"{NC} chunks x {max(Hqk, Hv)} heads x {CHUNK} rows: the prep kernel's TMA coordinates "
                          f"and grid are int32 (fewer than 2^31 rows); split the batch")
-    shapes = dict(w=(NC, Hv, C, K), kd=(NC, Hv, C, K), qd=(NC, Hv, C, K), u=(NC, Hv, C, V), ptdo=(NC, Hv, C, V),
+    bv = spec.add_block_v
+    if not math.isfinite(dout_scale):
+        raise ValueError(f"dout_scale={dout_scale} must be finite")
+    shapes = dict(w=(NC, Hv, C, K), kd=(NC, Hv, C, K), qd=(NC, Hv, C, K), u=(NC, Hv, V // bv, C, bv),
+                  ptdo=(NC, Hv, V // bv, C, bv),
                   decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C))
     dtypes = dict(w=op, kd=op, qd=op)
     wanted = dict(a=gated_inverse, a0=gate_free_inverse)
@@ -150,7 +163,8 @@ def backward_prep(q, k, v, dout, g, beta, gated_inverse=True, gate_free_inverse=
                 raise ValueError(f"out.{n} is None but is asked for")
             if t is not None:
                 check_tensor(f"out {n}", t, s, dtypes.get(n, torch.float32), dev)
-    args = PrepArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, q=ptr(q), k=ptr(k), g=ptr(g), beta=ptr(beta),
+    args = PrepArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, dout_scale=float(dout_scale), add_block_v=bv,
+                    q=ptr(q), k=ptr(k), g=ptr(g), beta=ptr(beta),
                     v=ptr(v), dout=ptr(dout), v_stride=(ctypes.c_int64 * 3)(*v.stride()[:3]),
                     dout_stride=(ctypes.c_int64 * 3)(*dout.stride()[:3]),
                     **{n: ptr(getattr(out, n) if wanted.get(n, True) else None) for n in shapes})
