@@ -57,6 +57,8 @@ def parse_args(argv=None):
 
 def kernel_inputs(hqk: int, hv: int, tokens: int, seed: int, K: int = 128, V: int = 128):
     """The kernel's 13 inputs (chunk_kernels.chunk_gradients' order), contiguous, on the GPU."""
+    from flashqla_tune.backward import chunk_kernels
+
     gen = torch.Generator(device="cuda").manual_seed(seed)
     NC, C = tokens // 64, 64
 
@@ -69,8 +71,10 @@ def kernel_inputs(hqk: int, hv: int, tokens: int, seed: int, K: int = 128, V: in
     gamma = (-0.05 * torch.rand(NC, hv, C, generator=gen, device="cuda")).cumsum(-1)
     a0 = torch.eye(C, device="cuda") + normal(NC, hv, C, C, scale=0.1).tril(-1)
     units = torch.ones(NC, hv, device="cuda")
+    op = chunk_kernels.spec_for(K, V).torch_dtype   # the chains' results, as they store them
     return (q, k, normal(NC, hv, C, V), normal(NC, hv, C, V, scale=K ** -0.5), beta, gamma, a0,
-            normal(NC, hv, K, V), normal(NC, hv, K, V), normal(NC, hv, C, V), normal(NC, hv, C, V), units, units)
+            *(normal(*shape).to(op) for shape in ((NC, hv, K, V), (NC, hv, K, V), (NC, hv, C, V), (NC, hv, C, V))),
+            units, units)
 
 
 def launch_bytes(inputs, outputs, hv: int) -> int:

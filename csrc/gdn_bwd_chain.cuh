@@ -137,7 +137,9 @@ struct ChainConfig {
 };
 
 // The kernel's parameters. Per-chunk inputs are indexed by the chunk layout's chunk c and v-head h
-// (tile c * Hv + h); states are fp32 [., Hv, K, V] (k-major rows of V values).
+// (tile c * Hv + h); states are [., Hv, K, V] (k-major rows of V values): the start and end
+// states fp32, every chunk's state and values 16-bit, rounded as the wgmma operands that carry
+// them to the next phase are.
 template <class Cfg>
 struct ChainParams {
   typename Cfg::TmaTK tma_w;    // w = T D K            [chunks, Hv, 64, K]
@@ -153,8 +155,8 @@ struct ChainParams {
   const float* window_log_decay;  // [chunks, Hv] gamma_C, +inf where a token breaks the bound
   const float* state_in;        // h0 or dht [num_seqs, Hv, K, V]; null: zeros
   float* state_out;             // the final state or dh0 [num_seqs, Hv, K, V]; may be null
-  float* chunk_states;          // S_c or dS_{c+1} [chunks, Hv, K, V]
-  float* chunk_values;          // Vn or dVn [chunks, Hv, 64, V]; may be null
+  typename Cfg::Elem* chunk_states;  // S_c or dS_{c+1} [chunks, Hv, K, V]
+  typename Cfg::Elem* chunk_values;  // Vn or dVn [chunks, Hv, 64, V]; may be null
   int64_t num_chunks;
   int64_t num_seqs;
   float log_eps;
@@ -365,9 +367,10 @@ struct ChainConsumer {
       // chunk belongs to the neighbouring segment, which stores it).
       const bool store = i >= range.skip;
       if (store) {
-        float* out = p.chunk_states + tile * head_state;
+        Elem* out = p.chunk_states + tile * head_state;
         CUTE_UNROLL
-        for (int e = 0; e < size(accS); ++e) out[int64_t(get<1>(crdS(e))) * V + v0 + get<0>(crdS(e))] = accS(e);
+        for (int e = 0; e < size(accS); ++e)
+          out[int64_t(get<1>(crdS(e))) * V + v0 + get<0>(crdS(e))] = Elem(accS(e));
       }
       CUTE_UNROLL
       for (int e = 0; e < size(accS); ++e) accS(e) *= decay;  // no wgmma touches the state before phase 2
@@ -395,12 +398,12 @@ struct ChainConsumer {
 
       // The new values (or their gradient), (v, t) of this thread: the fp32 term plus or minus phase 1.
       constexpr float kSign = Cfg::Gradients ? 1.f : -1.f;
-      float* values = p.chunk_values && store ? p.chunk_values + tile * int64_t(kChunk) * V : nullptr;
+      Elem* values = p.chunk_values && store ? p.chunk_values + tile * int64_t(kChunk) * V : nullptr;
       CUTE_UNROLL
       for (int e = 0; e < size(accT); ++e) {
         const int vv = get<0>(crdT(e)), tt = get<1>(crdT(e));
         accT(e) = add_scale * add[tt * Cfg::BlockV + vv] + kSign * accT(e);
-        if (values) values[int64_t(tt) * V + v0 + vv] = accT(e);
+        if (values) values[int64_t(tt) * V + v0 + vv] = Elem(accT(e));
       }
       // Phase 2 adds Vn^T Kd (kStates) or -dVn^T w (kGradients).
       chain_operand(fragT, accT, Cfg::Gradients ? -1.f : 1.f);

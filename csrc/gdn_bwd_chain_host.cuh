@@ -10,7 +10,7 @@
 
 
 // Bumped whenever FqtBwdChainArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHAIN_ABI_VERSION 3
+#define FQT_BWD_CHAIN_ABI_VERSION 4
 
 extern "C" {
 // Every tensor is contiguous, on the device, in the chunk layout of the batched backward
@@ -36,8 +36,8 @@ typedef struct FqtBwdChainArgs {
   const float* window_log_decay;  // fp32 [chunks, Hv]: gamma_C, +inf where a token has b |k|^2 outside [0, 2]
   const float* state_in;        // fp32 [num_seqs, Hv, K, V] h0 or dht; null: zeros
   float* state_out;             // fp32 [num_seqs, Hv, K, V] final state or dh0; null: not written
-  float* chunk_states;          // fp32 [chunks, Hv, K, V]: S_c or dS_{c+1}
-  float* chunk_values;          // fp32 [chunks, Hv, 64, V]: Vn or dVn; null: not written
+  void* chunk_states;           // 16-bit [chunks, Hv, K, V]: S_c or dS_{c+1}
+  void* chunk_values;           // 16-bit [chunks, Hv, 64, V]: Vn or dVn; null: not written
 } FqtBwdChainArgs;
 }
 
@@ -63,8 +63,8 @@ cudaError_t chain_launch(const FqtBwdChainArgs& a, cudaStream_t stream) {
       a.window_log_decay,
       a.state_in,
       a.state_out,
-      a.chunk_states,
-      a.chunk_values,
+      static_cast<Elem*>(a.chunk_states),
+      static_cast<Elem*>(a.chunk_values),
       a.num_chunks,
       a.num_seqs,
       a.log_eps,

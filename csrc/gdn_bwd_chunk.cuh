@@ -48,7 +48,9 @@
 // operand is a block of whole swizzle atoms of them (8 rows of a K-major B, 64 columns of an
 // MN-major one). An operand that a GEMM needs whole but two warp groups computed in halves (dQK,
 // dw, Y, dLb) goes through its tile, made visible by a CTA barrier. fp32 inputs are read once from
-// global memory by all threads, scaled, rounded and stored into their tile; per-row sums stay in
+// global memory by all threads, scaled, rounded and stored into their tile; the chains' results
+// arrive 16-bit (Elem, as the chains rounded them for their own wgmmas) and are copied as they
+// are; per-row sums stay in
 // the registers of the quad that owns the row (one partial per warp group, added in group order at
 // the end), per-column sums go to one row of shared memory per warp, added in a fixed order: no
 // atomics, so a chunk's gradients are the same bits from run to run and however the batch around
@@ -138,9 +140,9 @@ struct ChunkStrides {
   __device__ __forceinline__ int64_t at(int64_t c, int64_t h) const { return c * chunk + h * head; }
 };
 
-// The kernel's parameters: per-chunk tensors in the batched backward's chunk layout, fp32; the
-// chains' results and A0 contiguous, indexed by tile = chunk * Hv + v-head; q, k (per q/k head), v,
-// dO, beta and gamma through their strides.
+// The kernel's parameters: per-chunk tensors in the batched backward's chunk layout, fp32 but for
+// the chains' 16-bit results; those and A0 contiguous, indexed by tile = chunk * Hv + v-head; q, k
+// (per q/k head), v, dO, beta and gamma through their strides.
 template <class Cfg>
 struct ChunkGradParams {
   const float* q;       // [chunks, Hqk, 64, K] (after the l2norm when the op applies it)
@@ -151,10 +153,10 @@ struct ChunkGradParams {
   const float* gamma;   // in-chunk cumulative gate [chunks, Hv, 64]
   ChunkStrides q_strides, k_strides, v_strides, dout_strides, beta_strides, gamma_strides;
   const float* a0;      // (I + strictly_lower(diag(b) K K^T))^{-1} [chunks, Hv, 64, 64]
-  const float* state;   // unit_u S_c [chunks, Hv, K, V]
-  const float* dstate;  // unit_d dS_{c+1} [chunks, Hv, K, V]
-  const float* vn;      // unit_u Vn [chunks, Hv, 64, V]
-  const float* dvn;     // unit_d dVn [chunks, Hv, 64, V]
+  const typename Cfg::Elem* state;   // unit_u S_c [chunks, Hv, K, V]
+  const typename Cfg::Elem* dstate;  // unit_d dS_{c+1} [chunks, Hv, K, V]
+  const typename Cfg::Elem* vn;      // unit_u Vn [chunks, Hv, 64, V]
+  const typename Cfg::Elem* dvn;     // unit_d dVn [chunks, Hv, 64, V]
   const float* unit_u;  // [chunks, Hv]
   const float* unit_d;  // [chunks, Hv]
   float* dq;            // [chunks, Hv, 64, K]
@@ -303,6 +305,39 @@ __device__ __forceinline__ void stage_scaled(STile s, const float* g, int64_t ro
     const int idx = threadIdx.x + Threads * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
     store4(s, r, c, load4(g, row_stride, r, c), scale);
   }
+}
+
+// Elements (r, c..c+7) of a 16-bit tile (c % 8 == 0: one whole 16-byte swizzle unit) from eight
+// 16-bit values as they are.
+template <class STile>
+__device__ __forceinline__ void store8(STile& s, int r, int c, uint4 word) {
+  *reinterpret_cast<uint4*>(&s(r, c)) = word;
+}
+
+// A contiguous 16-bit [R, C] tile (rows of C elements) from global memory into its shared tile,
+// in 16-byte pieces.
+template <int R, int C, int Threads, class STile>
+__device__ __forceinline__ void stage_copy(STile s, const typename STile::value_type* g) {
+  constexpr int kPerThread = R * C / 8 / Threads;
+  static_assert(kPerThread * 8 * Threads == R * C, "a tile is whole 16-byte pieces of the threads");
+  const uint4* g16 = reinterpret_cast<const uint4*>(g);
+#pragma unroll 8
+  for (int j = 0; j < kPerThread; ++j) {
+    const int idx = threadIdx.x + Threads * j;
+    store8(s, idx / (C / 8), idx % (C / 8) * 8, __ldg(g16 + idx));
+  }
+}
+
+// The inner product of two pieces of eight 16-bit values, in fp32.
+template <class Elem>
+__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
+  Elem x[8], y[8];
+  memcpy(x, &a, sizeof(a));
+  memcpy(y, &b, sizeof(b));
+  float sum = 0.f;
+  CUTE_UNROLL
+  for (int i = 0; i < 8; ++i) sum += float(x[i]) * float(y[i]);
+  return sum;
 }
 
 // The same for a tile that brings its own scale: returns it (unit_scale of the tile's largest |x|).
@@ -502,10 +537,10 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   // ---- every input tile into L2 (the strided ones line by line, the contiguous ones whole)
   if (tid == 0) {
     prefetch_l2(p.a0 + tile * C * C, C * C * sizeof(float));
-    prefetch_l2(p.vn + tile * C * V, C * V * sizeof(float));
-    prefetch_l2(p.dvn + tile * C * V, C * V * sizeof(float));
-    prefetch_l2(p.state + tile * K * V, K * V * sizeof(float));
-    prefetch_l2(p.dstate + tile * K * V, K * V * sizeof(float));
+    prefetch_l2(p.vn + tile * C * V, C * V * sizeof(Elem));
+    prefetch_l2(p.dvn + tile * C * V, C * V * sizeof(Elem));
+    prefetch_l2(p.state + tile * K * V, K * V * sizeof(Elem));
+    prefetch_l2(p.dstate + tile * K * V, K * V * sizeof(Elem));
   }
   prefetch_rows_l2<K, T>(p.q + p.q_strides.at(chunk, hq), p.q_strides.row);
   prefetch_rows_l2<K, T>(p.k + p.k_strides.at(chunk, hq), p.k_strides.row);
@@ -560,22 +595,22 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   const float s_k = stage_normalised<C, K, T>(sK, p.k + p.k_strides.at(chunk, hq), p.k_strides.row, ss.reduce);
   const float s_v = stage_normalised<C, V, T>(sV, p.v + p.v_strides.at(chunk, hv), p.v_strides.row, ss.reduce);
   stage_scaled<C, V, T>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d * p.dout_scale);
-  stage_scaled<C, V, T>(sVn, p.vn + tile * C * V, V, 1.f);
-  stage_scaled<C, V, T>(sDVn, p.dvn + tile * C * V, V, 1.f);
+  stage_copy<C, V, T>(sVn, p.vn + tile * C * V);
+  stage_copy<C, V, T>(sDVn, p.dvn + tile * C * V);
   {
     // S_c and dS_{c+1}, and their inner product (d x u units) for the gradient of e^{gamma_C}
-    constexpr int kPerThread = K * V / 4 / T;
-    const float4* s4 = reinterpret_cast<const float4*>(p.state + tile * K * V);
-    const float4* d4 = reinterpret_cast<const float4*>(p.dstate + tile * K * V);
+    constexpr int kPerThread = K * V / 8 / T;
+    const uint4* s16 = reinterpret_cast<const uint4*>(p.state + tile * K * V);
+    const uint4* d16 = reinterpret_cast<const uint4*>(p.dstate + tile * K * V);
     float dot = 0.f;
-    // eight iterations unrolled: sixteen float4 loads a thread issued before the first is used
+    // eight iterations unrolled: sixteen 16-byte loads a thread issued before the first is used
 #pragma unroll 8
     for (int j = 0; j < kPerThread; ++j) {
-      const int idx = tid + T * j, r = idx / (V / 4), c = idx % (V / 4) * 4;
-      const float4 a = __ldg(s4 + idx), b = __ldg(d4 + idx);
-      dot += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-      store4(sS, r, c, a, 1.f);
-      store4(sDS, r, c, b, 1.f);
+      const int idx = tid + T * j, r = idx / (V / 8), c = idx % (V / 8) * 8;
+      const uint4 a = __ldg(s16 + idx), b = __ldg(d16 + idx);
+      dot += dot8<Elem>(a, b);
+      store8(sS, r, c, a);
+      store8(sDS, r, c, b);
     }
     dot = cta_reduce<false, W>(dot, ss.reduce);
     if (tid == 0) ss.tail = __expf(gamma_last) * dot;  // the df terms are added in step 7

@@ -12,7 +12,7 @@
 
 
 // Bumped whenever FqtBwdChunkArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHUNK_ABI_VERSION 3
+#define FQT_BWD_CHUNK_ABI_VERSION 4
 
 extern "C" {
 // Every tensor is fp32, on the device, in the chunk layout of the batched backward ([chunks, H, 64,
@@ -33,10 +33,10 @@ typedef struct FqtBwdChunkArgs {
   const float* gamma;     // [chunks, Hv, 64] in-chunk cumulative gate
   int64_t q_strides[3], k_strides[3], v_strides[3], dout_strides[3], beta_strides[3], gamma_strides[3];
   const float* a0;        // [chunks, Hv, 64, 64]
-  const float* state;     // unit_u S_c [chunks, Hv, K, V]
-  const float* dstate;    // unit_d dS_{c+1} [chunks, Hv, K, V]
-  const float* vn;        // unit_u Vn [chunks, Hv, 64, V]
-  const float* dvn;       // unit_d dVn [chunks, Hv, 64, V]
+  const void* state;      // unit_u S_c [chunks, Hv, K, V], 16-bit (the operand type, as the chains store it)
+  const void* dstate;     // unit_d dS_{c+1} [chunks, Hv, K, V], 16-bit
+  const void* vn;         // unit_u Vn [chunks, Hv, 64, V], 16-bit
+  const void* dvn;        // unit_d dVn [chunks, Hv, 64, V], 16-bit
   const float* unit_u;    // [chunks, Hv] powers of two
   const float* unit_d;    // [chunks, Hv]
   float* dq;              // [chunks, Hv, 64, K]
@@ -53,6 +53,7 @@ namespace fqt {
 // Checks what the kernel relies on, then launches one CTA per (chunk, v-head).
 template <class Cfg>
 cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
+  using Elem = typename Cfg::Elem;
   static_assert(Cfg::SmemBytes <= 227 * 1024, "the CTA's tiles exceed the 227 KiB of shared memory a CTA can have");
   if (a == nullptr) return cudaErrorInvalidValue;
   if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
@@ -68,8 +69,9 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
     if (ptr == nullptr) return cudaErrorInvalidValue;
   for (const void* ptr : outputs)
     if (ptr == nullptr) return cudaErrorInvalidValue;
-  // float4 loads of the tiles: 16-byte aligned bases, and strides of whole float4s
-  for (const void* ptr : {a->q, a->k, a->v, a->dout, a->a0, a->state, a->dstate, a->vn, a->dvn})
+  // 16-byte loads of the tiles: 16-byte aligned bases, and the fp32 ones' strides of whole float4s
+  const void* tiles[] = {a->q, a->k, a->v, a->dout, a->a0, a->state, a->dstate, a->vn, a->dvn};
+  for (const void* ptr : tiles)
     if (reinterpret_cast<uintptr_t>(ptr) % 16) return cudaErrorMisalignedAddress;
   for (const int64_t* st : {a->q_strides, a->k_strides, a->v_strides, a->dout_strides})
     for (int i = 0; i < 3; ++i)
@@ -91,7 +93,8 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
   ChunkGradParams<Cfg> p{a->q, a->k, a->v, a->dout, a->beta, a->gamma,
                          strides(a->q_strides), strides(a->k_strides), strides(a->v_strides),
                          strides(a->dout_strides), strides(a->beta_strides), strides(a->gamma_strides),
-                         a->a0, a->state, a->dstate, a->vn, a->dvn, a->unit_u, a->unit_d,
+                         a->a0, static_cast<const Elem*>(a->state), static_cast<const Elem*>(a->dstate),
+                         static_cast<const Elem*>(a->vn), static_cast<const Elem*>(a->dvn), a->unit_u, a->unit_d,
                          a->dq, a->dk, a->dv, a->dbeta, a->dg,
                          strides(a->dq_strides), strides(a->dk_strides), strides(a->dv_strides),
                          strides(a->dbeta_strides), strides(a->dg_strides),

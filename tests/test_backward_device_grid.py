@@ -71,8 +71,9 @@ class ChainKernelsDouble:
     """Test double of chain_kernels.chain_states / chain_gradients: the same arguments (16-bit operands,
     fp32 terms as [chunks, Hv, 64, V] or the kernels' add tiles, each times its per-chunk scale where
     one is given, device segments with the guard's input), the same recurrences walked per segment and
-    v-head on the CPU in fp32 with the kernels' warm-up rule (csrc/gdn_bwd_chain.cuh chain_range), and
-    NaN in every chunk no segment stores, as the kernels leave those unwritten."""
+    v-head on the CPU in fp32 with the kernels' warm-up rule (csrc/gdn_bwd_chain.cuh chain_range), every
+    chunk's state and values stored in the operand dtype and the end states in fp32, as the kernels do,
+    and NaN in every chunk no segment stores, as the kernels leave those unwritten."""
 
     def __init__(self):
         self.calls = []
@@ -82,8 +83,9 @@ class ChainKernelsDouble:
     def _outputs(w, add, segments):
         NC, Hv, C, K = w.shape
         V, N = add.shape[-1], segments.num_seqs
-        nan = float("nan")
-        return (torch.full((NC, Hv, K, V), nan), torch.full((NC, Hv, C, V), nan), torch.full((N, Hv, K, V), nan))
+        nan, op = float("nan"), w.dtype
+        return (torch.full((NC, Hv, K, V), nan, dtype=op), torch.full((NC, Hv, C, V), nan, dtype=op),
+                torch.full((N, Hv, K, V), nan))
 
     def _walks(self, segments, guard, backward):
         """(v-head, chunks in walk order, warm-up iterations, sequence, from state_in, to state_out) per
@@ -153,9 +155,10 @@ class ChainKernelsDouble:
     def chunk_gradients(self, q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit_u, unit_d, dout_scale=1.0,
                         out=None):
         """The per-chunk gradient kernel's results in torch: step 3 on its inputs, q and k per q/k
-        head, dO times dout_scale, the chains' results divided by their units; written into `out`
-        when given, as the kernel does."""
+        head, dO times dout_scale, the chains' results (16-bit, as the kernel takes them) divided by
+        their units; written into `out` when given, as the kernel does."""
         self.calls.append("chunk")
+        assert all(t.dtype == chain_kernels.spec_for(128, 128).torch_dtype for t in (state, dstate, vn, dvn))
         group = v.shape[1] // q.shape[1]
         qc, kc = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         Gamma = decay_mask(gamma)

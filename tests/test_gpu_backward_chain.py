@@ -81,8 +81,14 @@ def chunk_inputs(seed, seqlens, hqk, hv, decay, h0, dht):
                 dht=torch.randn(N, hv, K, V, generator=gen, device=DEV, dtype=f64) if dht else None)
 
 
-def nan_like(*shape):
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEV)
+def nan_like(*shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def nan_outputs(NC, Hv, N, op):
+    """A chain's NaN-filled out buffers: every chunk's state and values in the operand dtype, the
+    end state fp32."""
+    return nan_like(NC, Hv, K, V, dtype=op), nan_like(NC, Hv, 64, V, dtype=op), nan_like(N, Hv, K, V)
 
 
 @pytest.mark.parametrize("name", list(CHAIN_CASES))
@@ -100,7 +106,7 @@ def test_chain_kernels_match_float64_loops(name):
         w, kd = x["w"].to(op).contiguous(), x["Kd"].to(op).contiguous()
         f32 = lambda t: None if t is None else t.float().contiguous()  # noqa: E731
         decay = f32(x["decay"])
-        out_f = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        out_f = nan_outputs(NC, Hv, N, op)
         whole = chain_segments.whole_sequences(grid.chunk_offsets)
         # odd seeds: the fp32 terms as the prep writes them (the add tiles), each chunk's divided by
         # a power of two that the kernels multiply back as they read (u_scale, ptdo_scale): exact
@@ -111,7 +117,7 @@ def test_chain_kernels_match_float64_loops(name):
             u, ptdo = (chain_kernels.add_tiles(t / add_scale[..., None, None], chain_kernels.spec_for(K, V).block_v)
                        for t in (u, ptdo))
         hk, Vnk, final = chain_kernels.chain_states(w, kd, u, decay, whole, f32(x["h0"]), out=out_f, u_scale=add_scale)
-        out_b = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        out_b = nan_outputs(NC, Hv, N, op)
         dhk, dVnk, dh0k = chain_kernels.chain_gradients(
             w, kd, x["Qd"].to(op).contiguous(), x["dOs"].to(op).contiguous(), ptdo, decay,
             whole, f32(x["dht"]), out=out_b, ptdo_scale=add_scale)
@@ -163,8 +169,7 @@ def split_run(x, warmup):
     guard = chain_segments.window_log_decay(x["decay"].log().float(), x["bc"].float(), key_norms)
     runs = {}
     for label, segments in (("split", split), ("whole", chain_segments.whole_sequences(grid.chunk_offsets))):
-        out_f = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
-        out_b = (nan_like(NC, Hv, K, V), nan_like(NC, Hv, 64, V), nan_like(N, Hv, K, V))
+        out_f, out_b = nan_outputs(NC, Hv, N, op), nan_outputs(NC, Hv, N, op)
         states = chain_kernels.chain_states(w, kd, f32(x["u"]), f32(x["decay"]), segments, f32(x["h0"]), out=out_f,
                                             window_log_decay=guard)
         grads = chain_kernels.chain_gradients(w, kd, qd, dout, f32(x["PtdO"]), f32(x["decay"]), segments,

@@ -59,7 +59,8 @@ QK_SIZE = {"large": 30.0, "tiny": 1e-6}
 
 def per_chunk_case(seed, seqlens, hqk, hv, decay, h0, dht, size, qk):
     """Float64 per-chunk inputs of step 3 as chunked_torch builds them, the chains run in float64,
-    and the kernel's fp32 inputs (the chains' results scaled by the chain units, per chunk)."""
+    and the kernel's inputs (fp32 but for the chains' results, scaled by the chain units per chunk
+    and rounded to the operand dtype, as the chain kernels store them)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     T, N = sum(seqlens), len(seqlens)
     f64 = torch.float64
@@ -106,8 +107,9 @@ def per_chunk_case(seed, seqlens, hqk, hv, decay, h0, dht, size, qk):
     # q, k, v, dO, beta and gamma as the backward hands them over: to_chunks' views of token rows
     # (strides kept by .float()), which the kernel reads in place; dO without the scale, which the
     # kernel folds in (dout_scale)
+    op = lambda t: t.to(chunk_kernels.spec_for(K, V).torch_dtype).contiguous()  # noqa: E731
     inputs = (q_heads.float(), k_heads.float(), vc.float(), do_chunks.float(), bc.float(), gamma.float(), f32(A0),
-              f32(h * unit_u), f32(dh_out * unit_d), f32(Vn * unit_u), f32(dVn * unit_d),
+              op(h * unit_u), op(dh_out * unit_d), op(Vn * unit_u), op(dVn * unit_d),
               unit_u.view(NC, hv).contiguous(), unit_d.view(NC, hv).contiguous(), K ** -0.5)
     return want, inputs
 

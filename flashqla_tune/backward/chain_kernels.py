@@ -14,9 +14,10 @@ fp16 by default: three more mantissa bits than bf16; chunked_torch hands each ch
 scaled near unit magnitude per (sequence, v-head), so a training step's loss scale does not decide
 the range; the states themselves, rounded to fp16 as A operands, must stay below 65504 after that
 scaling, which normalised k and a decaying gate keep them far from),
-u and scale P^T dO in fp32, e^{gamma_C} in fp32; the
-states are fp32 [., Hv, K, V] (a state_v_first call's states are transposed outside, by the caller).
-The chains themselves accumulate in fp32.
+u and scale P^T dO in fp32, e^{gamma_C} in fp32. The chains accumulate in fp32; the start and end
+states are fp32 [., Hv, K, V] (a state_v_first call's states are transposed outside, by the caller),
+and what they store per chunk (the states and values the per-chunk gradients read) is in the
+operand dtype, rounded as the wgmma operands that carry it to the chain's next phase are.
 
 A library is built once per ChainSpec with the project's build (ninja driving nvcc, build.py), kept
 in the kernel cache under a content-addressed key over the rendered source, every csrc/ header it
@@ -36,7 +37,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chain.cu.j2"
-ABI_VERSION = 3      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
+ABI_VERSION = 4      # csrc/gdn_bwd_chain_host.cuh FQT_BWD_CHAIN_ABI_VERSION
 STATES, GRADIENTS = 0, 1
 
 
@@ -177,14 +178,14 @@ def _run(direction: int, *, w, kd, add, add_scale, decay, segments, window_log_d
                          f"coordinates are int32 (fewer than 2^31 rows); split the batch")
     tiles = _add_operand(add, spec.block_v, (NC, Hv, C, V), dev)
     if out is None:
-        chunk_states = torch.empty(NC, Hv, K, V, dtype=torch.float32, device=dev)
-        chunk_values = torch.empty(NC, Hv, C, V, dtype=torch.float32, device=dev) if values else None
+        chunk_states = torch.empty(NC, Hv, K, V, dtype=op, device=dev)
+        chunk_values = torch.empty(NC, Hv, C, V, dtype=op, device=dev) if values else None
         state_out = torch.empty(N, Hv, K, V, dtype=torch.float32, device=dev)
     else:  # the caller's buffers (tests pass NaN-filled ones to see that every element is written)
         chunk_states, chunk_values, state_out = out
-        check_tensor("out chunk_states", chunk_states, (NC, Hv, K, V), torch.float32, dev)
+        check_tensor("out chunk_states", chunk_states, (NC, Hv, K, V), op, dev)
         if chunk_values is not None:
-            check_tensor("out chunk_values", chunk_values, (NC, Hv, C, V), torch.float32, dev)
+            check_tensor("out chunk_values", chunk_values, (NC, Hv, C, V), op, dev)
         check_tensor("out state", state_out, (N, Hv, K, V), torch.float32, dev)
     split = segments.splits
     args = ChainArgs(direction=direction, num_heads=Hv, num_chunks=NC, num_seqs=N, num_segments=S,
@@ -208,8 +209,8 @@ def chain_states(w, kd, u, decay, segments, h0=None, values=True, out=None, wind
     [chunks, Hv] fp32; segments (chain_segments.ChainSegments, on the device) what the CTAs walk:
     whole_sequences(chunk_offsets), or split_sequences(...) with window_log_decay [chunks, Hv] fp32
     (chain_segments.window_log_decay) for the guard; h0 fp32 [N, Hv, K, V] or None (zeros).
-    Returns (S_c [chunks, Hv, K, V], Vn [chunks, Hv, 64, V] or None, final state [N, Hv, K, V]), fp32,
-    written into `out` (those three buffers) when given."""
+    Returns (S_c [chunks, Hv, K, V], Vn [chunks, Hv, 64, V] or None, in the operand dtype; final state
+    [N, Hv, K, V] fp32), written into `out` (those three buffers) when given."""
     return _run(STATES, w=w, kd=kd, add=u, add_scale=u_scale, decay=decay, segments=segments, window_log_decay=window_log_decay,
                 state_in=h0, values=values, out=out)
 
@@ -222,7 +223,7 @@ def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=Tru
     ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32 or its add_tiles layout, taken times ptdo_scale
     [chunks, Hv] fp32 per chunk where given (dout must then carry the same factor); decay, segments, window_log_decay as for chain_states; dht fp32
     [N, Hv, K, V] or None (zeros). Returns (dS_{c+1} [chunks, Hv, K, V], dVn [chunks, Hv, 64, V] or
-    None, dh0 [N, Hv, K, V]), fp32, written into `out` when given."""
+    None, in the operand dtype; dh0 [N, Hv, K, V] fp32), written into `out` when given."""
     return _run(GRADIENTS, w=w, kd=kd, add=ptdo, add_scale=ptdo_scale, decay=decay, segments=segments, window_log_decay=window_log_decay,
                 state_in=dht, values=values, qd=qd, dout=dout, out=out)
 

@@ -33,7 +33,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              check_tensor, ptr, render_template, spec_json, stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
-ABI_VERSION = 3      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
+ABI_VERSION = 4      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
 
 
 class ChunkKernelError(BackwardKernelError):
@@ -162,14 +162,14 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
                     out=None, spec: ChunkSpec | None = None):
     """Step 3 of the backward for every (chunk, v-head), on the device's current stream.
 
-    fp32, on one CUDA device, in the chunk layout: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv;
+    On one CUDA device, in the chunk layout, fp32: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv;
     v-head h reads q/k head h // (Hv / Hqk)); v, dout (dO, taken times dout_scale, the op's scale)
     [chunks, Hv, 64, V]; beta, gamma
     (the in-chunk cumulative gate) [chunks, Hv, 64] -- these six read in place through their strides
     (to_chunks' views of token rows need no copy; _strides says what they must be) --;
-    and contiguous: a0 [chunks, Hv, 64, 64]; state
-    (unit_u S_c) and dstate (unit_d dS_{c+1}) [chunks, Hv, K, V]; vn (unit_u Vn), dvn (unit_d dVn)
-    [chunks, Hv, 64, V]; unit_u, unit_d [chunks, Hv] (powers of two).
+    and contiguous: a0 [chunks, Hv, 64, 64]; unit_u, unit_d [chunks, Hv] (powers of two); and in the
+    spec's operand dtype, as the chains store them: state (unit_u S_c) and dstate (unit_d dS_{c+1})
+    [chunks, Hv, K, V], vn (unit_u Vn) and dvn (unit_d dVn) [chunks, Hv, 64, V].
     Returns (dq [chunks, Hv, 64, K], dk [chunks, Hv, 64, K], dv [chunks, Hv, 64, V],
     dbeta [chunks, Hv, 64], dg [chunks, Hv, 64]), fp32 and unscaled, written into `out` (those
     five buffers, of any strides _strides allows for writing, no two elements at one address) when
@@ -194,10 +194,11 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     strides = {name: _strides(name, strided[name], shape, dev) for name, shape in (
         ("q", (NC, Hqk, C, K)), ("k", (NC, Hqk, C, K)), ("v", (NC, Hv, C, V)), ("dout", (NC, Hv, C, V)),
         ("beta", (NC, Hv, C)), ("gamma", (NC, Hv, C)))}
-    for name, t, shape in (("a0", a0, (NC, Hv, C, C)), ("state", state, (NC, Hv, K, V)),
-                           ("dstate", dstate, (NC, Hv, K, V)), ("vn", vn, (NC, Hv, C, V)), ("dvn", dvn, (NC, Hv, C, V)),
-                           ("unit_u", unit_u, (NC, Hv)), ("unit_d", unit_d, (NC, Hv))):
+    for name, t, shape in (("a0", a0, (NC, Hv, C, C)), ("unit_u", unit_u, (NC, Hv)), ("unit_d", unit_d, (NC, Hv))):
         check_tensor(name, t, shape, f32, dev)
+    for name, t, shape in (("state", state, (NC, Hv, K, V)), ("dstate", dstate, (NC, Hv, K, V)),
+                           ("vn", vn, (NC, Hv, C, V)), ("dvn", dvn, (NC, Hv, C, V))):
+        check_tensor(name, t, shape, spec.torch_dtype, dev)   # the chains' results as they store them
     if NC * Hv >= 2 ** 31:
         raise ValueError(f"{NC} chunks x {Hv} heads = {NC * Hv} CTAs: the grid is int32 (fewer than 2^31); "
                          f"split the batch")
