@@ -4,7 +4,7 @@ FlashQLA and FLA on the protocol's inputs, in one process.
     python3 -P benchmarks/backward_bench.py OUT_DIR [--heads 2/8 --heads 16/16 ...] [--seqlens 1x2048 ...]
         [--impl flashqla_tune --impl flashqla --impl fla] [--fla-dispatch tilelang|off]
         [--accuracy-max-tokens 4096] [--budget-s 420] [--sample-budget-s 0.3] [--prewarm] [--graph]
-        [--no-layer]                                     (repository root; h200_steps.sh backward-bench)
+        [--no-layer] [--profile]                         (repository root; h200_steps.sh backward-bench)
     python3 benchmarks/backward_bench.py OUT_DIR --join PART.json --join PART.json ...   (no GPU)
 
 Rows: the scoreboard's ten length mixes (measure.cases.SEQLENS) at each --heads (default 2/8,
@@ -24,7 +24,9 @@ returned, then autograd's backward from (do, dht). Per implementation and row:
 Also the one-layer figure: 16/32 heads on 1x32768, ms and tokens per second of the step (the
 row's own numbers when it is in the grid, else timed after the grid). --graph adds the median
 CUDA-graph replay of our step, its offsets on the device only (a failed capture is reported,
-never fatal). --budget-s stops starting rows in time for the tables to be written; --prewarm
+never fatal). --profile writes OUT_DIR/backward_profile.txt: torch.profiler's operators and
+kernels by self CUDA time over one eager step of ours on the first row, after warm-up steps (the
+aten:: rows are the torch work between our kernels). --budget-s stops starting rows in time for the tables to be written; --prewarm
 first runs every row's step once per head configuration in parallel processes (JIT compiles:
 FlashQLA's TileLang kernels per head count, FLA's Triton kernels, our plans).
 
@@ -82,6 +84,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="first input set's seed")
     p.add_argument("--prewarm", action="store_true", help="JIT-compile every row's step first, one process per head")
     p.add_argument("--graph", action="store_true", help="also time our step as a CUDA-graph replay")
+    p.add_argument("--profile", action="store_true", help="profile one eager step of ours (backward_profile.txt)")
     p.add_argument("--no-layer", action="store_true", help="skip the 16/32 1x32768 one-layer figure")
     p.add_argument("--join", action="append", metavar="JSON",
                    help="(no GPU) join the rows of two or more backward_bench.json into OUT_DIR's tables")
@@ -407,6 +410,27 @@ def graph_ms(impl: StepImpl, case, seed: int) -> dict:
     return {"row": case.name, "ms": t.median_ms, "error": t.error}
 
 
+PROFILE = "backward_profile.txt"
+
+
+def profile_step(impl: StepImpl, case, seed: int, path: Path) -> str:
+    """One eager step of `impl` under torch.profiler after three warm-up steps: its operators and
+    kernels by self CUDA time into `path`. Returns a line for the log."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = make_sets(case, "cuda", seed, count=1)[0]
+    for _ in range(3):
+        step(impl, x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step(impl, x)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+    path.write_text(f"== {impl.name} {case.name}: one eager step, by self CUDA time\n{table}\n")
+    return f"profile of one step of {impl.name} on {case.name} -> {path}"
+
+
 def prewarm(heads, seqlens, impl_names, fla_mode: str, timeout_s: float, log) -> str:
     """One child process per head configuration runs each row's step once (compiles, in parallel)."""
     from flashqla_tune.bench.prewarm import wait_for
@@ -555,6 +579,8 @@ def main(argv=None) -> int:
     if args.graph and ours is not None and time.perf_counter() - t0 <= args.budget_s:
         result["graph"] = graph_ms(ours, Case(*args.heads[0], (args.seqlens or SEQLENS)[0]), args.seed)
         log(f"graph replay of our step: {result['graph']}")
+    if args.profile and ours is not None:
+        log(profile_step(ours, Case(*args.heads[0], (args.seqlens or SEQLENS)[0]), args.seed, out / PROFILE))
 
     failures = []
     if ours is None and OURS in args.impl:
