@@ -276,7 +276,7 @@ def test_the_backward_ops_fake_gives_contiguous_gradients_for_strided_inputs():
     h0 = torch.randn(1, H, D, D, generator=gen).transpose(-1, -2)
     cu = torch.tensor([0, T])
     do, dht = torch.randn(1, T, H, D, generator=gen), torch.randn(1, H, D, D, generator=gen)
-    args = (q, k, v, g, beta, cu, h0, do, dht, D ** -0.5, False, False, "", [8] * H, 1e-5)
+    args = (q, k, v, g, beta, cu, h0, do, dht, D ** -0.5, False, False, "", [8] * H, 1e-5, 0)
     torch.library.opcheck(torch.ops.flashqla_tune.gdn_bwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
     real = torch.ops.flashqla_tune.gdn_bwd(*args)

@@ -11,6 +11,7 @@ in-kernel L2 norm, and output gradients far below fp16's normal range.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -56,6 +57,45 @@ def test_the_device_grid_moves_rows_as_the_host_grid_does(seqlens, tail):
     padded = chunked_torch.padded_rows(x.double(), torch.float32)
     assert padded.dtype == torch.float32 and not padded[-1].any()
     assert torch.equal(chunked_torch.gather_chunks(padded, dev), chunks)
+
+
+@pytest.mark.parametrize("make", ["host", "uniform"])
+def test_an_identity_grid_moves_rows_as_a_gathering_grid_does(make):
+    """Sequences of whole chunks: the grid is an identity (chunk_grid sees it in the offsets,
+    uniform_chunk_grid is told it), and its views and copies move every row as the same grid
+    with gathers does, rows past the sequences zero."""
+    total, tail = 3 * 128, 40
+    grid = (chunked_torch.chunk_grid((0, 128, 256, 384), torch.device("cpu")) if make == "host"
+            else chunked_torch.uniform_chunk_grid(3, 128, torch.device("cpu")))
+    gathering = dataclasses.replace(grid, identity=False)
+    assert grid.identity and grid.num_chunks == 6 and torch.equal(grid.chunk_offsets, torch.tensor([0, 2, 4, 6]))
+    assert torch.equal(grid.chunk_sequence, torch.tensor([0, 0, 1, 1, 2, 2]))
+    x = torch.randn(total + tail, 4, 5)
+    chunks = chunked_torch.to_chunks(x, grid)
+    assert torch.equal(chunks, chunked_torch.to_chunks(x, gathering))
+    assert chunks.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()   # a copy, never the input
+    assert chunked_torch.chunk_rows(x[:total], grid, torch.float64).dtype == torch.float64
+    y = torch.randn(6, 4, 64, 5)
+    for rows in (total, total + tail):
+        assert torch.equal(chunked_torch.from_chunks(y, grid, rows), chunked_torch.from_chunks(y, gathering, rows))
+        buf, view = chunked_torch.token_major_chunks(6, 4, (5,), torch.device("cpu"))
+        view.copy_(y)
+        for group in (1, 2):
+            assert torch.equal(chunked_torch.from_token_major_chunks(buf, grid, rows, group, torch.bfloat16),
+                               chunked_torch.from_token_major_chunks(buf, gathering, rows, group, torch.bfloat16))
+    assert not chunked_torch.chunk_grid((0, 128, 200), torch.device("cpu")).identity
+    with pytest.raises(ValueError, match="multiple of 64 tokens, got 2 sequences of 100"):
+        chunked_torch.uniform_chunk_grid(2, 100, torch.device("cpu"))
+
+
+def test_the_forwards_host_knowledge_names_one_length_only_when_it_fixes_every_sequence():
+    from flashqla_tune.backward.autograd import uniform_sequence_tokens
+
+    assert uniform_sequence_tokens(4096, 2, 2048) == 2048      # batch rows of 2048
+    assert uniform_sequence_tokens(32768, 1, 32768) == 32768   # one sequence
+    assert uniform_sequence_tokens(4096, 2, 0) == 0            # unknown
+    assert uniform_sequence_tokens(4000, 2, 2000) == 0         # not whole chunks
+    assert uniform_sequence_tokens(4096, 3, 2048) == 0         # shorter sequences beside the longest
 
 
 def test_the_device_grid_stays_in_bounds_whatever_the_offsets_hold():
@@ -215,6 +255,32 @@ def test_the_sync_free_backward_gives_the_loops_gradients(name, chains_double, m
         assert torch.isfinite(a).all(), f"{name}: {n} took values from a chunk no sequence owns"
         # fp16 operands in the chains: about 2^-11 of rounding, nothing of the scale of do
         assert rel_l2(a.double(), b.double()) < 3e-3, (name, n, rel_l2(a.double(), b.double()))
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_sequences_the_host_knows_give_the_loops_gradients_without_a_device_grid(state_v_first, chains_double,
+                                                                                 monkeypatch):
+    """Batch rows of whole chunks, as the forward's host hands them on (sequence_tokens): the identity
+    grid, no device grid built, the loops' gradients."""
+    inputs, do, dht = draw(13, batch=3, T=128, hqk=1, hv=2, K=128, V=128, state_v_first=state_v_first)
+    args = dict(**inputs, do=do, dht=dht)
+    monkeypatch.setattr(chunked_torch, "device_chunk_grid", lambda *a: pytest.fail("the device grid was built"))
+    got = chunk_gated_delta_rule_bwd_torch(**args, sequence_tokens=128)
+    assert chains_double.calls == ["states", "gradients", "chunk"]
+    monkeypatch.undo()
+    want = chunk_gated_delta_rule_bwd_torch(**args, sequential="torch")
+    for n in NAMES:
+        a, b = getattr(got, n), getattr(want, n)
+        assert rel_l2(a.double(), b.double()) < 3e-3, (n, rel_l2(a.double(), b.double()))
+
+
+def test_offsets_that_are_not_the_hosts_lengths_poison_every_gradient(chains_double):
+    inputs, do, dht = draw(17, seqlens=[100, 156], hqk=1, hv=2, K=128, V=128)
+    got = chunk_gated_delta_rule_bwd_torch(**inputs, do=do, dht=dht, sequence_tokens=128)
+    for n in NAMES:
+        assert torch.isnan(getattr(got, n)).all(), f"{n} holds numbers from sequences mixed up"
+    with pytest.raises(ValueError, match="sequence_tokens=192 must be a multiple of 64 that the 2 sequences"):
+        chunk_gated_delta_rule_bwd_torch(**inputs, do=do, dht=dht, sequence_tokens=192)
 
 
 # ---------------------------------------------------------------- context parallelism in the chains

@@ -259,17 +259,29 @@ OP_CASES = {
     # a long sequence that never decays: the state and its gradient grow over 256 chunks, the
     # headroom the fp16 operands of the chains need
     "zero_decay_long": ([16384], 2, 4, torch.bfloat16, "zero", True, True, False, False),
+    # sequences of one length, a multiple of 64, as the forward's host knows them (batch rows): the
+    # identity grid, every row read and written in place
+    "uniform_sequences_vk": ([2048, 2048, 2048], 2, 8, torch.bfloat16, "mixed", True, True, True, False),
+    "uniform_one_sequence_l2norm_fp16": ([4096], 4, 16, torch.float16, "mixed", True, True, False, True),
 }
 
 
-def op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=None):
+def host_sequence_tokens(seqlens) -> int:
+    """What the forward's host would hand the backward for these lengths (batch rows or a cu_seqlens_cpu)."""
+    from flashqla_tune.backward.autograd import uniform_sequence_tokens
+
+    return uniform_sequence_tokens(sum(seqlens), len(seqlens), max(seqlens))
+
+
+def op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=None, sequence_tokens=0):
     """The op's registered backward (flashqla_tune::gdn_bwd, what autograd through
     ops.chunk_gated_delta_rule calls; the autograd plumbing around it is CPU-tested), on
     NaN-free inputs, for a forward call with the default plan and the warm-up table `warmup`
-    (None: exact chains); the gradients by leaf name."""
+    (None: exact chains) whose host knew every sequence to be sequence_tokens long (0: not known);
+    the gradients by leaf name."""
     grads = torch.ops.flashqla_tune.gdn_bwd(
         leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], cu, leaves["initial_state"], do, dfinal,
-        128 ** -0.5, l2norm, vk, "", warmup, 1e-5)
+        128 ** -0.5, l2norm, vk, "", warmup, 1e-5, sequence_tokens)
     torch.cuda.synchronize()
     out = dict(zip(("q", "k", "v", "g", "beta", "initial_state"), grads))
     if leaves["initial_state"] is None:
@@ -292,7 +304,7 @@ def test_op_gradients_with_chain_kernels_match_float64(name):
         if name in TINY_OUTPUT_GRADIENT:
             size = TINY_OUTPUT_GRADIENT[name]
             do, dfinal = (do.float() * size).to(do.dtype), dfinal * size
-        grads = op_backward(leaves, do, dfinal, cu, vk, l2norm)
+        grads = op_backward(leaves, do, dfinal, cu, vk, l2norm, sequence_tokens=host_sequence_tokens(seqlens))
         line = f"op {name:24s} seed={seed} " + check_against_oracle(name, seed, grads, leaves, do, dfinal, cu, vk,
                                                                        l2norm, chain_op_bar)
         print(line)
@@ -353,6 +365,7 @@ SPLIT_OP_CASES = {
                                    [8] * 8),
     "split_calibrated_vk_l2norm_strong": ([12000], 4, 16, torch.bfloat16, "strong", True, True, True, True,
                                           [2, 4, 8, -1] * 4),
+    "split_uniform_sequences": ([8192, 8192], 2, 8, torch.bfloat16, "mixed", True, True, False, False, [8] * 8),
 }
 
 
@@ -369,8 +382,42 @@ def test_op_gradients_with_split_chains_match_float64(name):
         if seed == 0:
             tables = forward_tables(leaves["q"], leaves["v"], vk, "", warmup, 1e-5)
             assert tables is not None and tables.bound(sum(seqlens), len(seqlens)) > len(seqlens), name
-        grads = op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=warmup)
+        grads = op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=warmup,
+                            sequence_tokens=host_sequence_tokens(seqlens))
         line = f"op {name:24s} seed={seed} " + check_against_oracle(name, seed, grads, leaves, do, dfinal, cu, vk,
                                                                        l2norm, chain_op_bar)
         print(line)
         LOG.append(line)
+
+
+def test_batch_rows_take_the_identity_grid_and_give_the_varlen_gradients(monkeypatch):
+    """Batch rows of a multiple of 64 tokens (cu_seqlens None): the backward reads and writes the
+    token rows in place (no device grid is built) and gives the gradients of the same sequences
+    passed as varlen offsets (the device grid, rows gathered), to fp32 rounding."""
+    leaves, do, dfinal, cu = make_case(41, [1024, 1024], 2, 8, torch.bfloat16, "mixed", True, True, False, False)
+    varlen = run(ops.chunk_gated_delta_rule, leaves, do, dfinal, cu, False, False)
+    rows = {n: (t.detach() if n == "initial_state" else t.detach().reshape(2, 1024, *t.shape[2:])).clone()
+            for n, t in leaves.items()}
+    for t in rows.values():
+        t.requires_grad_(True)
+    monkeypatch.setattr(chunked_torch, "device_chunk_grid", lambda *a: pytest.fail("batch rows built the device grid"))
+    o, final = ops.chunk_gated_delta_rule(rows["q"], rows["k"], rows["v"], rows["g"], rows["beta"], scale=128 ** -0.5,
+                                          initial_state=rows["initial_state"], output_final_state=True)
+    torch.autograd.backward([o, final], [do.view(2, 1024, *do.shape[2:]), dfinal])
+    torch.cuda.synchronize()
+    for n, t in rows.items():
+        got = t.grad.reshape(varlen[n].shape)
+        assert torch.isfinite(got).all(), f"d{n} has unwritten rows"
+        err = rel_l2(got, varlen[n])
+        assert err <= 1e-5, f"d{n}: batch rows against varlen relative L2 {err:.2e}"
+
+
+def test_offsets_that_disagree_with_the_hosts_lengths_give_nan_gradients():
+    """The host said two sequences of 1024 tokens (a cu_seqlens_cpu) while the device offsets cut
+    them elsewhere: the backward's identity grid would mix the sequences, so every gradient comes
+    out NaN instead of a wrong number."""
+    leaves, do, dfinal, cu = make_case(43, [1000, 1048], 2, 8, torch.bfloat16, "mixed", True, True, False, False)
+    grads = op_backward(leaves, do, dfinal, cu, False, False, sequence_tokens=1024)
+    for n, t in grads.items():
+        if t is not None:
+            assert torch.isnan(t).all(), f"d{n} is not NaN everywhere"

@@ -61,6 +61,9 @@ class ChunkGrid:
     # A grid built on the device: token_slot covers every row, a row of no sequence naming the slot
     # num_chunks * CHUNK past the chunks (a zero row from_chunks appends)
     dump_slot: bool = False
+    # Every sequence is a whole number of chunks, back to back from row 0, so slot i is token i for
+    # every slot: the chunk layout is a view of the token rows and nothing needs a gather
+    identity: bool = False
 
 
 # Recent grids by (offsets, device), least recently used first: a training loop repeats few
@@ -99,7 +102,31 @@ def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
     offsets = torch.tensor(first + [total], dtype=torch.int64, device=device)
     sequence = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(nchunks, dtype=torch.int64))
     grid = ChunkGrid(len(lens), total, tokens, token_slot.to(device), slot_token.to(device), tuple(steps), offsets,
-                     sequence.to(device))
+                     sequence.to(device), identity=all(n % CHUNK == 0 for n in lens))
+    _GRIDS[key] = grid
+    while len(_GRIDS) > GRID_CACHE_SIZE:
+        _GRIDS.popitem(last=False)
+    return grid
+
+
+def uniform_chunk_grid(num_seqs: int, sequence_tokens: int, device) -> ChunkGrid:
+    """The grid of num_seqs sequences of sequence_tokens tokens each (a positive multiple of CHUNK),
+    back to back: an identity grid, known on the host without reading any offsets (so, unlike
+    chunk_grid's, its steps are None, as a device grid's), cached like chunk_grid's."""
+    if num_seqs < 1 or sequence_tokens < CHUNK or sequence_tokens % CHUNK:
+        raise ValueError(f"uniform_chunk_grid needs at least one sequence of a positive multiple of {CHUNK} tokens, "
+                         f"got {num_seqs} sequences of {sequence_tokens}")
+    key = ("uniform", num_seqs, sequence_tokens, str(device))
+    grid = _GRIDS.get(key)
+    if grid is not None:
+        _GRIDS.move_to_end(key)
+        return grid
+    per_seq = sequence_tokens // CHUNK
+    total = num_seqs * per_seq
+    slots = torch.arange(total * CHUNK, dtype=torch.int64, device=device)
+    grid = ChunkGrid(num_seqs, total, total * CHUNK, slots, slots, None,
+                     torch.arange(0, total + 1, per_seq, dtype=torch.int64, device=device),
+                     torch.arange(total, dtype=torch.int64, device=device) // per_seq, identity=True)
     _GRIDS[key] = grid
     while len(_GRIDS) > GRID_CACHE_SIZE:
         _GRIDS.popitem(last=False)
@@ -153,10 +180,24 @@ def gather_chunks(padded: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
     return padded[grid.slot_token].view(grid.num_chunks, CHUNK, *padded.shape[1:]).transpose(1, 2)
 
 
+def chunk_rows(rows: torch.Tensor, grid: ChunkGrid, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The grid's num_tokens token rows [num_tokens, H, D...] -> [num_chunks, H, CHUNK, D...] in
+    `dtype` (default the rows'), a view of a fresh buffer (token-major: each chunk's rows are
+    CHUNK apart); pad slots are zero. An identity grid takes one copy (the conversion), any other
+    a copy and a gather."""
+    if rows.shape[0] != grid.num_tokens:
+        raise ValueError(f"chunk_rows needs the grid's {grid.num_tokens} token rows, got {rows.shape[0]}")
+    if not grid.identity:
+        return gather_chunks(padded_rows(rows, dtype), grid)
+    out = torch.empty(rows.shape, dtype=dtype or rows.dtype, device=rows.device)
+    out.copy_(rows)
+    return out.view(grid.num_chunks, CHUNK, *rows.shape[1:]).transpose(1, 2)
+
+
 def to_chunks(x: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
     """[T, H, D...] token rows -> [num_chunks, H, CHUNK, D...]; pad slots are zero (a zero k, v,
     beta and g leave the state as it is, so tails need no masking)."""
-    return gather_chunks(padded_rows(x[:grid.num_tokens]), grid)
+    return chunk_rows(x[:grid.num_tokens], grid)
 
 
 def token_major_chunks(num_chunks: int, heads: int, dims: tuple, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,14 +217,18 @@ def from_token_major_chunks(buf: torch.Tensor, grid: ChunkGrid, total_tokens: in
     `group` neighbouring heads summed first (the v-heads of one q/k head) while the rows are still
     contiguous, and rounded to `dtype` before the gather, which then moves the narrower rows."""
     rows = buf.view(buf.shape[0] * CHUNK, *buf.shape[2:])
+    if grid.identity:   # the chunks' rows are the tokens' (and the spare chunk past them is dropped)
+        rows = rows[:grid.num_tokens]
     if group > 1:
         rows = rows.view(rows.shape[0], rows.shape[1] // group, group, *rows.shape[2:]).sum(2)
     if dtype is not None:
         rows = rows.to(dtype)
     if grid.dump_slot:   # a row of no sequence names row 0 of the zero chunk
         return rows.index_select(0, grid.token_slot)
+    if grid.identity and total_tokens == grid.num_tokens:
+        return rows
     out = rows.new_zeros((total_tokens, *rows.shape[1:]))
-    out[:grid.num_tokens] = rows.index_select(0, grid.token_slot)
+    out[:grid.num_tokens] = rows if grid.identity else rows.index_select(0, grid.token_slot)
     return out
 
 
@@ -192,6 +237,11 @@ def from_chunks(xc: torch.Tensor, grid: ChunkGrid, total_tokens: int) -> torch.T
     to no sequence are zero)."""
     H, rest = xc.shape[1], xc.shape[3:]
     flat = xc[:grid.num_chunks].transpose(1, 2).reshape(grid.num_chunks * CHUNK, H, *rest)
+    if grid.identity:   # the slots are the tokens: one copy, never a view of the chunks
+        out = xc.new_empty((total_tokens, H, *rest))
+        out[:grid.num_tokens].copy_(flat)
+        out[grid.num_tokens:].zero_()
+        return out
     if grid.dump_slot:  # every row names a slot; a row of no sequence the zero row past the chunks
         return torch.cat([flat, flat.new_zeros((1, H, *rest))])[grid.token_slot]
     out = xc.new_zeros((total_tokens, H, *rest))
@@ -343,7 +393,7 @@ def _prep_pieces(sequential: str, grid: ChunkGrid, q_chunks, k_chunks, vc, do_ch
 def chunk_gated_delta_rule_bwd_torch(
     q, k, v, g, beta, do, dht=None, scale=None, initial_state=None, use_qk_l2norm_in_kernel=False,
     state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, compute_dtype=torch.float32,
-    sequential="auto", cp=None,
+    sequential="auto", cp=None, sequence_tokens=0,
 ) -> GDNGradients:
     """Gradients of <o, do> + <final_state, dht> for the op's forward (same arguments, the
     forward's o and final state never needed): q, k [B,T,Hqk,K], v and do [B,T,Hv,V], g and beta
@@ -354,7 +404,10 @@ def chunk_gated_delta_rule_bwd_torch(
     (one device sync without cu_seqlens_cpu). cp: the forward call's warm-up tables
     (warmup_tables.WarmupTables) or None; with them the chain kernels split long sequences as the
     forward's CP does (chain_segments), guarded, else every sequence is one chain (as the torch loops
-    always are)."""
+    always are). sequence_tokens: 0, or what the host knows of the offsets without reading them
+    (the forward's call: batch rows, or a cu_seqlens_cpu): every sequence has exactly that many
+    tokens, a multiple of 64, so the chain kernels' grid is an identity (uniform_chunk_grid) and no
+    row is gathered; device offsets that disagree make every gradient NaN, never a wrong number."""
     B, T, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (B, T) or Hv % Hqk:
@@ -364,6 +417,7 @@ def chunk_gated_delta_rule_bwd_torch(
                          f"{tuple(do.shape)} must be v's {tuple(v.shape)}")
     kernels = uses_chain_kernels(sequential, v.device, compute_dtype, K, V) and (
         _chain_library_or_none(sequential, K, V) is not None)
+    offsets_agree = None   # a device bool where the grid is the host's guess of the offsets
     if kernels and B * T > 0 and (cu_seqlens is None or cu_seqlens.numel() > 1):
         # the chains walk the device offsets: the whole backward runs without a host sync
         if cu_seqlens_cpu is not None:
@@ -372,7 +426,16 @@ def chunk_gated_delta_rule_bwd_torch(
                    else torch.arange(0, (B + 1) * T, T, dtype=torch.int64, device=v.device))
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"varlen (cu_seqlens given) needs batch size 1, got {B}")
-        grid = device_chunk_grid(offsets.to(v.device), B * T)
+        offsets = offsets.to(v.device)
+        if sequence_tokens:
+            if sequence_tokens % CHUNK or sequence_tokens * (offsets.numel() - 1) != B * T:
+                raise ValueError(f"sequence_tokens={sequence_tokens} must be a multiple of {CHUNK} that the "
+                                 f"{offsets.numel() - 1} sequences fill the {B * T} token rows with")
+            grid = uniform_chunk_grid(offsets.numel() - 1, sequence_tokens, v.device)
+            # checked on the device, no host sync: offsets that disagree poison the chains' units
+            offsets_agree = (offsets == grid.chunk_offsets * CHUNK).all()
+        else:
+            grid = device_chunk_grid(offsets, B * T)
     else:
         grid = chunk_grid(_host_bounds(B, T, cu_seqlens, cu_seqlens_cpu), v.device)
     N, NC = grid.num_seqs, grid.num_chunks
@@ -389,7 +452,7 @@ def chunk_gated_delta_rule_bwd_torch(
 
     def chunks(x):  # [B, T, ...] -> the chunk layout in the compute dtype, one conversion copy and one gather
         rows = x.reshape(B * T, *x.shape[2:])
-        return gather_chunks(padded_rows(rows[:grid.num_tokens], dt), grid)  # a host grid: the offsets' tokens
+        return chunk_rows(rows[:grid.num_tokens], grid, dt)  # a host grid: the offsets' tokens
 
     def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
         x = x.to(dt)
@@ -436,11 +499,11 @@ def chunk_gated_delta_rule_bwd_torch(
             w_op, Kd_op, Qd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd", "Qd"))
             chunk_decay = gamma_last.exp().contiguous()
         segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, k_chunks, group)
-        unit_u, unit_u_c = _chain_units(grid, u, h0)
+        unit_u, unit_u_c = _chain_units(grid, u, h0, offsets_agree)
         h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, u, chunk_decay, segments,
                                               None if h0 is None else (h0 * unit_u).contiguous(),
                                               window_log_decay=guard, u_scale=unit_u_c.view(NC, Hv))
-        unit_d, unit_d_c = _chain_units(grid, do_chunks, dS_end, per_chunk_scale=scale)
+        unit_d, unit_d_c = _chain_units(grid, do_chunks, dS_end, offsets_agree, per_chunk_scale=scale)
         dout_op = torch.empty(do_chunks.shape, dtype=op, device=v.device)   # scaled and rounded in one pass
         torch.mul(do_chunks, scale * unit_d_c, out=dout_op)
         dh_out, dVn, dS = chain_kernels.chain_gradients(
@@ -557,14 +620,14 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
 
 
 def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None,
-                 per_chunk_scale: float = 1.0):
+                 valid: torch.Tensor | None = None, per_chunk_scale: float = 1.0):
     """Powers of two, one per (sequence, v-head), that take the largest magnitude of a chain's inputs
     (per_chunk_scale times per_chunk [NC, Hv, ...], the sequence's chunks in any layout,
     per_sequence [N, Hv, ...] or None) near 1
     (into [1, 2), or just below 1 where fp32's log2 rounds up to a power of two); 1 where they are
     all zero. Returns them as [N, Hv, 1, 1] and per chunk [NC, Hv, 1, 1].
     Computed on the device, no host sync. A non-finite input is not scaled away: its sequence's
-    results come out non-finite too."""
+    results come out non-finite too; so are all results where `valid` (a device bool) is False."""
     N, Hv = grid.num_seqs, per_chunk.shape[1]
     # the largest |x| in one reduction (no |x| tensor); a NaN propagates as amax would
     chunk_amax = torch.linalg.vector_norm(per_chunk, float("inf"), dim=tuple(range(2, per_chunk.dim())))  # [NC, Hv]
@@ -577,7 +640,10 @@ def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.T
     # the exponent is clamped so that the unit stays a finite fp32 (amax down to 2^-126)
     exponent = torch.floor(torch.log2(amax)).clamp(min=-126.0)
     unit = torch.where(amax > 0, torch.exp2(-exponent), torch.ones_like(amax))
-    unit = torch.where(torch.isnan(amax), amax, unit)[..., None, None]
+    unit = torch.where(torch.isnan(amax), amax, unit)
+    if valid is not None:
+        unit = torch.where(valid, unit, torch.full_like(unit, float("nan")))
+    unit = unit[..., None, None]
     return unit, unit[grid.chunk_sequence]
 
 
