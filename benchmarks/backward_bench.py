@@ -294,13 +294,29 @@ def make_sets(case, device, seed: int, count: int = SETS_PER_ROW):
     return sets
 
 
-def step(impl: StepImpl, x, host_offsets: bool = True) -> None:
+def batch_rows_length(x) -> int:
+    """The one length of every sequence of a set, where they all have one (0 where they differ)."""
+    bounds = [int(b) for b in x.cu_seqlens_cpu.tolist()]
+    lengths = {b - a for a, b in zip(bounds, bounds[1:])}
+    return lengths.pop() if len(lengths) == 1 and bounds[-1] == x.q.shape[1] else 0
+
+
+def step(impl: StepImpl, x, host_offsets: bool = True, batch_rows: bool = False) -> None:
     """Gradients cleared, the saving forward, the backward from (do, dht). host_offsets: the offsets'
-    host copy (cu_seqlens_cpu) is passed too where the implementation takes it."""
+    host copy (cu_seqlens_cpu) is passed too where the implementation takes it. batch_rows: sequences
+    of one length go in as batch rows [N, L, ...] without offsets (a fixed-length training batch),
+    the same sequences and gradients."""
     import torch
 
     for name in GRADIENTS:
         getattr(x, name).grad = None
+    length = batch_rows_length(x) if batch_rows else 0
+    if length:
+        n = x.q.shape[1] // length
+        rows = [t.reshape(n, length, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
+        o, final = impl.fn(*rows, scale=x.scale, initial_state=x.initial_state, output_final_state=True)
+        torch.autograd.backward([o, final], [x.extra["do"].reshape(o.shape), x.extra["dht"]])
+        return
     kw = {"cu_seqlens_cpu": x.cu_seqlens_cpu} if impl.takes_cu_seqlens_cpu and host_offsets else {}
     o, final = impl.fn(x.q, x.k, x.v, x.g, x.beta, scale=x.scale, initial_state=x.initial_state,
                        output_final_state=True, cu_seqlens=x.cu_seqlens_long, **kw)
@@ -397,14 +413,15 @@ def run_row(case, impls, timer, seed: int, accuracy_max_tokens: int, cuda: bool,
 def graph_ms(impl: StepImpl, case, seed: int) -> dict:
     """Our step captured in one CUDA graph over the row's sets, replayed (a failed capture is reported).
     The captured step has its offsets on the device alone, as a captured training step has them: a
-    host tensor's copy to the device cannot be captured."""
+    host tensor's copy to the device cannot be captured; a row whose sequences all have one length
+    is captured as batch rows without offsets, as a fixed-length training step is (step's batch_rows)."""
     from flashqla_tune.measure.timing import CudaTimer
 
     sets = make_sets(case, "cuda", seed)
     timer = CudaTimer(budget_s=0.3)
     try:
-        timer.warmup(lambda x: step(impl, x, host_offsets=False), sets)
-        t = timer.graph(lambda x: step(impl, x, host_offsets=False), sets)
+        timer.warmup(lambda x: step(impl, x, host_offsets=False, batch_rows=True), sets)
+        t = timer.graph(lambda x: step(impl, x, host_offsets=False, batch_rows=True), sets)
     except Exception as exc:
         return {"row": case.name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return {"row": case.name, "ms": t.median_ms, "error": t.error}
