@@ -511,6 +511,8 @@ def chunk_gated_delta_rule_bwd_torch(
             None if dS_end is None else (dS_end * unit_d).contiguous(), window_log_decay=guard,
             ptdo_scale=unit_d_c.view(NC, Hv))
         dS = dS / unit_d
+        # what only the chains read goes back to the allocator before step 3 allocates its outputs
+        pieces = torch_pieces = u = PtdO = w_op = Kd_op = Qd_op = dout_op = None
         if step3_kernel:
             # 3 as one kernel launch on the chains' results as they come, still scaled by the units
             # (16-bit operands, fp32 accumulation; the gradients come back unscaled); q and k per q/k
@@ -525,6 +527,9 @@ def chunk_gated_delta_rule_bwd_torch(
                 unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), dout_scale=scale,
                 out=tuple(view for _, view in token_major))
             per_chunk = token_major_out = tuple(buf for buf, _ in token_major)
+            # and its inputs before the gradients go back to token rows (the launch holds its own
+            # stream order: the allocator hands their memory only to later work on this stream)
+            q_chunks = k_chunks = vc = do_chunks = h = dh_out = Vn = dVn = A0 = None
         else:
             h, Vn, dh_out, dVn = h / unit_u_c, Vn / unit_u_c, dh_out / unit_d_c, dVn / unit_d_c
             per_chunk = None
