@@ -25,8 +25,8 @@ CALIBRATE = ROOT / "calibrate"
 
 # Modules of flashqla_tune both sides may import: they import nothing but each other (and the
 # package root, which imports only spec).
-LEAVES = {"calibration_artifact", "calibration_settings", "environment", "files", "model_config", "oracle",
-          "package_data", "spec", "supported_shapes", "content_hash"}
+LEAVES = {"calibration_artifact", "calibration_settings", "environment", "files", "hub_dispatch", "model_config",
+          "oracle", "package_data", "spec", "supported_shapes", "content_hash"}
 COMPILER = ("flashqla_tune.build", "flashqla_tune.render", "flashqla_tune.cache", "flashqla_tune.tune",
             "flashqla_tune.pack_build", "jinja2", "torch.utils.cpp_extension")
 RUNTIME = ("flashqla_tune.ops", "flashqla_tune.packed_ops", "flashqla_tune.runtime", "flashqla_tune.host_path",

@@ -420,3 +420,20 @@ def test_a_qwen3_next_model_routes_each_layer_to_its_calibration(tmp_path):
     assert [c["layer"] for c in pack.calls] == [0, 1, 2]
     assert pack.calls[0]["q"].shape == (1, 70, 1, 128) and pack.calls[0]["v"].shape == (1, 70, 2, 128)
     assert rel_l2(routed, reference) < 2e-2
+
+
+def test_a_gdn_function_without_named_arguments_is_refused_before_anything_is_patched():
+    """A GDN function that takes (*args, **kwargs) with no PyTorch function behind it to name the
+    arguments: the route cannot bind a call, so it refuses by name and leaves the module as it was."""
+    import types
+
+    def hub_wrapper(*args, **kwargs):
+        raise AssertionError("never called")
+
+    module = types.SimpleNamespace(torch_chunk_gated_delta_rule=hub_wrapper)
+    family = route_mod.Family("stand_in_modeling", "StandInGatedDeltaNet", "torch_chunk_gated_delta_rule")
+    with pytest.raises(RouteError, match=r"takes \(\*args, \*\*kwargs\), not the named arguments \['query', 'key'.*"
+                                         r"calls its GDN function another way"):
+        route_mod._install(family, module)
+    assert module.torch_chunk_gated_delta_rule is hub_wrapper
+    assert ("stand_in_modeling", "torch_chunk_gated_delta_rule") not in route_mod._PATCHES

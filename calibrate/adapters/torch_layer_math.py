@@ -11,9 +11,10 @@ dispatch point in a family's modeling module, both pinned here:
   in their closure beside the PyTorch function they wrap (functools.wraps' __wrapped__). Pinned:
   the module name points at a caller of that PyTorch function.
   With the `kernels` library installed the decorator makes that wrapper an nn.Module instance
-  (a class of `kernels`) whose forward calls it, and `kernels.kernelize` on any model swaps that
+  (a class of `kernels`; from transformers 5.25, which requires `kernels`, a class that takes the
+  modeling module's name) whose forward calls it, and `kernels.kernelize` on any model swaps that
   shared instance's forward for a Hugging Face hub kernel; pinned the same way, by finding the
-  PyTorch function of the same name behind it.
+  PyTorch function of the same name behind it (hub_dispatch).
 - optional imports: module globals a layer reads in __init__ (chunk_gated_delta_rule,
   FusedRMSNormGated, ...), each None when its package is absent and the layer then picks its
   PyTorch fallback. Pinned: the global reads None, as if the package were not installed.
@@ -37,6 +38,7 @@ import types
 import torch
 
 from ...calibration_settings import CalibrationError
+from ...hub_dispatch import cell_filled, linked, torch_function_behind
 
 # Module globals a modeling module sets to None when the optional kernel package is missing.
 OPTIONAL_KERNEL_GLOBALS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "FusedRMSNormGated",
@@ -105,7 +107,7 @@ def _foreign_reach(fn, home: str, path: str, visited: set) -> list[str]:
             continue
         visited.add(id(f))
         reached = [(cell.cell_contents, f"its closure's {var}") for var, cell in
-                   zip(f.__code__.co_freevars, f.__closure__ or ()) if _cell_filled(cell)]
+                   zip(f.__code__.co_freevars, f.__closure__ or ()) if cell_filled(cell)]
         reached += [(f.__globals__[n], n) for n in sorted(set(_code_names(f.__code__))) if n in f.__globals__]
         for value, name in reached:
             if any(value is c for c in chain):
@@ -114,47 +116,21 @@ def _foreign_reach(fn, home: str, path: str, visited: set) -> list[str]:
                 found.append(f"{here} -> {name} ({_root(value)}: {getattr(value, '__qualname__', value)!r})")
             elif inspect.isfunction(value) and value.__module__ == home:
                 found += _foreign_reach(value, home, f"{here} -> {name}", visited)
+            elif _origin(value) == home and not isinstance(value, type):
+                found += _object_reach(value, home, f"{here} -> {name}", visited)
     return found
 
 
-def _cell_filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
-
-
-def _linked(obj):
-    """What a dispatch object hands its call to: wrapped functions, closure contents, forwards."""
-    if inspect.ismethod(obj):
-        yield obj.__func__
-    if inspect.isfunction(obj):
-        wrapped = getattr(obj, "__wrapped__", None)
-        if wrapped is not None:
-            yield wrapped
-        yield from (cell.cell_contents for cell in obj.__closure__ or () if _cell_filled(cell))
-    elif callable(obj) and not isinstance(obj, type):
-        yield from (f for f in (vars(obj).get("forward") if hasattr(obj, "__dict__") else None,
-                                getattr(type(obj), "forward", None), getattr(type(obj), "__call__", None))
-                    if f is not None)
-
-
-def _torch_function_behind(name: str, value, home: str):
-    """The PyTorch function of module `home` named `name` that dispatch object `value` falls back to
-    (the function its decorator wrapped), found through the links value hands calls on by."""
-    seen, todo = set(), [value]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if (inspect.isfunction(obj) and obj.__module__ == home and obj.__name__ == name
-                and not hasattr(obj, "__wrapped__") and obj is not value):
-            return obj
-        if inspect.isfunction(obj) or inspect.ismethod(obj) or (callable(obj) and not isinstance(obj, type)):
-            todo.extend(_linked(obj))
-    return None
+def _object_reach(obj, home: str, path: str, visited: set) -> list[str]:
+    """Foreign objects reachable from a callable object of the modeling module `home` (transformers
+    5.25 gives the `kernels` library's hub module around a PyTorch function that module's name):
+    through the functions it hands calls to (its class's forward, whatever package that comes
+    from), as _foreign_reach walks a function."""
+    if id(obj) in visited:
+        return []
+    visited.add(id(obj))
+    return [f for fn in linked(obj) if inspect.isfunction(fn)
+            for f in _foreign_reach(fn, home, path or type(obj).__qualname__, visited)]
 
 
 def _dispatch_target(name: str, value, home: str):
@@ -168,9 +144,9 @@ def _dispatch_target(name: str, value, home: str):
         if value.__module__ != home or not hasattr(value, "__wrapped__") or not _foreign_reach(value, home, "",
                                                                                                 set()):
             return None
-    elif not _foreign(value):
+    elif not _foreign(value) and not _object_reach(value, home, "", set()):
         return None
-    target = _torch_function_behind(name, value, home)
+    target = torch_function_behind(name, value, home)
     if target is None or _foreign_reach(target, home, "", set()):
         return None
     return target

@@ -46,10 +46,15 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..hub_dispatch import torch_function_behind
 from ..model_config import families as model_families
 from ..pack import PackError
 
 CHUNK_FUNCTION = "torch_chunk_gated_delta_rule"
+
+
+# The named arguments of the families' PyTorch GDN function that the route takes as q, k, v, g, beta
+_BOUND_ARGUMENTS = ("query", "key", "value", "g", "beta")
 
 
 class RouteError(ValueError):
@@ -102,7 +107,26 @@ class _Patch:
     name: str
     original: object      # what transformers chose for the name
     dispatcher: object
+    signature: inspect.Signature   # the PyTorch function's, whose named arguments a routed call binds
     users: int = 0
+
+
+def _call_signature(family: Family, original) -> inspect.Signature:
+    """The signature a call of `original` (the family's chunk function as transformers left it) is
+    bound by: its own, or, for a dispatch object that takes (*args, **kwargs) (the `kernels`
+    library's module around the PyTorch function), the PyTorch function's behind it. RouteError
+    where neither names the arguments the route binds."""
+    signature = inspect.signature(inspect.unwrap(original))
+    if any(n not in signature.parameters for n in _BOUND_ARGUMENTS):
+        behind = torch_function_behind(family.function, original, family.modeling)
+        if behind is not None:
+            signature = inspect.signature(behind)
+    missing = [n for n in _BOUND_ARGUMENTS if n not in signature.parameters]
+    if missing:
+        raise RouteError(f"{family.modeling}.{family.function} takes {signature}, not the named arguments "
+                         f"{missing} the route binds: this transformers ({_transformers_version()}) calls its "
+                         f"GDN function another way")
+    return signature
 
 
 def _dispatcher(original):
@@ -125,7 +149,7 @@ def _install(family: Family, module) -> _Patch:
         if not callable(original):
             raise RouteError(f"{family.modeling} has no function {family.function!r}: this transformers "
                              f"({_transformers_version()}) calls its GDN kernel another way")
-        patch = _Patch(module, family.function, original, _dispatcher(original))
+        patch = _Patch(module, family.function, original, _dispatcher(original), _call_signature(family, original))
         setattr(module, family.function, patch.dispatcher)
         _PATCHES[key] = patch
     patch.users += 1
@@ -186,7 +210,7 @@ class PackRoute:
                 raise RouteError(f"decoder layer(s) {busy} of this model are routed already: close that route "
                                  f"first (route.close())")
             self._patch = _install(self.family, module)
-            self._signature = inspect.signature(inspect.unwrap(self._patch.original))
+            self._signature = self._patch.signature
             for m in self._modules:
                 self._wrap(m)
                 _ROUTED[m] = self
@@ -276,8 +300,8 @@ class PackRoute:
 
         # q, k, v are views of the layer's conv output with the token stride 1; a contiguous copy (the
         # copy the op's Python path would make) lets the op's C++ host path take the call
-        op = {name: _contiguous(arguments.pop(source)) for name, source in
-              (("q", "query"), ("k", "key"), ("v", "value"), ("g", "g"), ("beta", "beta"))}
+        op = {name: _contiguous(arguments.pop(source)) for name, source in zip(("q", "k", "v", "g", "beta"),
+                                                                               _BOUND_ARGUMENTS)}
         chunk_size = arguments.pop("chunk_size", CHUNK_SIZE)
         if isinstance(chunk_size, bool) or chunk_size != CHUNK_SIZE:
             raise UnsupportedError(f"chunk_size={chunk_size!r} is not supported by the pack route: the kernels "
