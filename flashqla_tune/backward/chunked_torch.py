@@ -450,8 +450,8 @@ def chunk_gated_delta_rule_bwd_torch(
     def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
         return x.reshape(B * T, *x.shape[2:]).to(dt)
 
-    def chunks(x):  # [B, T, ...] -> the chunk layout in the compute dtype, one conversion copy and one gather
-        rows = x.reshape(B * T, *x.shape[2:])
+    def chunks(x):  # [B, T, ...] -> the chunk layout in the compute dtype: one conversion copy, and a
+        rows = x.reshape(B * T, *x.shape[2:])      # gather unless the grid is an identity
         return chunk_rows(rows[:grid.num_tokens], grid, dt)  # a host grid: the offsets' tokens
 
     def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
