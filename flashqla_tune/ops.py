@@ -370,7 +370,8 @@ def _call_with_gate_options(q, k, v, g, beta, scale, initial_state, output_final
         g, beta = gates_in_torch(g, beta, A_log, dt_bias, gate_options)
         return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                            bool(state_v_first), cu_seqlens, plan_name="", warmup=list(table), warmup_eps=warmup_eps,
-                           longest_tokens=longest)
+                           longest_tokens=longest,
+                           sequence_tokens=uniform_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
     return run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                        bool(state_v_first), cu_seqlens, plan_name="", warmup=list(table), warmup_eps=warmup_eps,
                        longest_tokens=longest, gate_options=gate_options, A_log=A_log, dt_bias=dt_bias)
@@ -418,7 +419,8 @@ class BoundCall:
         result = run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                              self.spec.state_layout == "vk", cu_seqlens, plan_name=self.plan_name,
                              warmup=None if self.warmup is None else list(self.warmup), warmup_eps=self.warmup_eps,
-                             longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
+                             longest_tokens=longest_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu),
+                             sequence_tokens=uniform_sequence_tokens(q.shape[1], cu_seqlens, cu_seqlens_cpu))
         self.remember_host_context(key, q.device)
         return result
 
@@ -456,14 +458,34 @@ def longest_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:
     return max(int(b) - int(a) for a, b in zip(values, values[1:]))
 
 
+def uniform_sequence_tokens(T: int, cu_seqlens, cu_seqlens_cpu) -> int:
+    """The one length every sequence of a call has, as the host knows it without a device sync,
+    where it is a positive multiple of 64 and the sequences fill all T token rows: T for batch rows,
+    else cu_seqlens_cpu's where its steps are all equal and it ends at T; 0 otherwise or unknown.
+    The backward then takes an identity chunk grid (backward.chunked_torch.uniform_chunk_grid)."""
+    if cu_seqlens is None:
+        return T if T > 0 and T % CHUNK_SIZE == 0 else 0
+    if cu_seqlens_cpu is None:
+        return 0
+    values = [int(x) for x in (cu_seqlens_cpu.tolist() if isinstance(cu_seqlens_cpu, torch.Tensor)
+                               else cu_seqlens_cpu)]
+    steps = {b - a for a, b in zip(values, values[1:])}
+    if len(steps) != 1 or values[0] != 0 or values[-1] != T:
+        return 0
+    length = steps.pop()
+    return length if length > 0 and length % CHUNK_SIZE == 0 else 0
+
+
 def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 state_v_first, cu_seqlens, plan_name: str, warmup: list[int] | None = None,
                 warmup_eps: float = warmup_tables.DEFAULT_EPS, longest_tokens: int = 0,
-                gate_options: tuple[bool, bool, bool] = NO_GATE_OPTIONS, A_log=None, dt_bias=None):
+                gate_options: tuple[bool, bool, bool] = NO_GATE_OPTIONS, A_log=None, dt_bias=None,
+                sequence_tokens: int = 0):
     """The op after check_inputs: pack the batch as varlen and call the custom op. plan_name ""
     runs the default plan for the call's heads; otherwise a plan registered by a kernel pack.
     warmup is a checked table (warmup_tables.normalise) or None; longest_tokens is
-    longest_sequence_tokens' answer (0: unknown). gate_options other than NO_GATE_OPTIONS run the
+    longest_sequence_tokens' answer (0: unknown), sequence_tokens uniform_sequence_tokens' (for the
+    backward; 0: not known). gate_options other than NO_GATE_OPTIONS run the
     default plan built with FLA's in-kernel options (gdn_fwd_gated, which has no backward: such a
     call must not need a gradient; _call_with_gate_options sees to it), with A_log and dt_bias."""
     B, T, Hqk = q.shape[:3]
@@ -493,7 +515,8 @@ def run_checked(q, k, v, g, beta, scale, initial_state, output_final_state, use_
         gated = (*args[:7], A_log, dt_bias, *args[7:], *gate_options)
         o, final = (torch.ops.flashqla_tune.gdn_fwd_gated if needs_custom_op(q) else gdn_fwd_gated_impl)(*gated)
         return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
-    o, final = (torch.ops.flashqla_tune.gdn_fwd if differentiable or needs_custom_op(q) else gdn_fwd_impl)(*args)
+    o, final = (torch.ops.flashqla_tune.gdn_fwd if differentiable or needs_custom_op(q) else gdn_fwd_impl)(
+        *args, int(sequence_tokens))
     return (o if B == 1 else o.reshape(B, T, Hv, -1)), (final if output_final_state else None)
 
 
@@ -510,9 +533,10 @@ def gdn_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
                  cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
                  output_final_state: bool, use_qk_l2norm: bool, state_v_first: bool,
                  plan_name: str, warmup: list[int] | None, warmup_eps: float,
-                 longest_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 longest_tokens: int, sequence_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The binding is rebuilt here, not passed from the Python wrapper, so torch.compile only sees
-    # tensors, scalars, a string and a list of ints.
+    # tensors, scalars, a string and a list of ints. sequence_tokens is for the backward alone
+    # (setup_context keeps it).
     bound = BoundCall(call_spec(q, v, state_v_first), plan_name, None if warmup is None else tuple(warmup), warmup_eps)
     return bound.forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm,
                          longest_tokens)
@@ -523,7 +547,7 @@ _gdn_fwd_op = torch.library.custom_op("flashqla_tune::gdn_fwd", mutates_args=())
 
 @_gdn_fwd_op.register_fake
 def _(q, k, v, g, beta, cu_seqlens, initial_state, scale, output_final_state, use_qk_l2norm, state_v_first,
-      plan_name, warmup, warmup_eps, longest_tokens):
+      plan_name, warmup, warmup_eps, longest_tokens, sequence_tokens):
     N = cu_seqlens.shape[0] - 1
     Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
     o = q.new_empty(v.shape)

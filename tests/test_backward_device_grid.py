@@ -88,14 +88,19 @@ def test_an_identity_grid_moves_rows_as_a_gathering_grid_does(make):
         chunked_torch.uniform_chunk_grid(2, 100, torch.device("cpu"))
 
 
-def test_the_forwards_host_knowledge_names_one_length_only_when_it_fixes_every_sequence():
-    from flashqla_tune.backward.autograd import uniform_sequence_tokens
+def test_the_forwards_host_names_one_length_only_when_it_fixes_every_sequence():
+    from flashqla_tune.ops import uniform_sequence_tokens
 
-    assert uniform_sequence_tokens(4096, 2, 2048) == 2048      # batch rows of 2048
-    assert uniform_sequence_tokens(32768, 1, 32768) == 32768   # one sequence
-    assert uniform_sequence_tokens(4096, 2, 0) == 0            # unknown
-    assert uniform_sequence_tokens(4000, 2, 2000) == 0         # not whole chunks
-    assert uniform_sequence_tokens(4096, 3, 2048) == 0         # shorter sequences beside the longest
+    cu = torch.zeros(3)   # device offsets: never read
+    assert uniform_sequence_tokens(2048, None, None) == 2048              # batch rows of 2048
+    assert uniform_sequence_tokens(2000, None, None) == 0                 # rows not whole chunks
+    assert uniform_sequence_tokens(4096, cu, [0, 2048, 4096]) == 2048     # equal lengths
+    assert uniform_sequence_tokens(32768, cu[:2], torch.tensor([0, 32768])) == 32768
+    assert uniform_sequence_tokens(4096, cu, None) == 0                   # unknown
+    assert uniform_sequence_tokens(4000, cu, [0, 2000, 4000]) == 0        # not whole chunks
+    assert uniform_sequence_tokens(192, cu, [0, 64, 128, 160]) == 0       # a shorter one, rows past the end
+    assert uniform_sequence_tokens(128, cu, [0, 64, 64]) == 0             # an empty one, rows past the end
+    assert uniform_sequence_tokens(192, cu, [0, 64, 128]) == 0            # equal lengths, rows past the end
 
 
 def test_the_device_grid_stays_in_bounds_whatever_the_offsets_hold():

@@ -268,9 +268,8 @@ OP_CASES = {
 
 def host_sequence_tokens(seqlens) -> int:
     """What the forward's host would hand the backward for these lengths (batch rows or a cu_seqlens_cpu)."""
-    from flashqla_tune.backward.autograd import uniform_sequence_tokens
-
-    return uniform_sequence_tokens(sum(seqlens), len(seqlens), max(seqlens))
+    bounds = [0, *torch.tensor(seqlens).cumsum(0).tolist()]
+    return ops.uniform_sequence_tokens(bounds[-1], torch.tensor(bounds), bounds)
 
 
 def op_backward(leaves, do, dfinal, cu, vk, l2norm, warmup=None, sequence_tokens=0):

@@ -242,7 +242,7 @@ def test_the_op_binds_its_table_and_eps_and_the_custom_op_rebinds_them_by_name(r
     v = torch.randn(1, T, 8, 128, dtype=torch.bfloat16)
     g = torch.zeros(1, T, 8)
     ops.chunk_gated_delta_rule(q, q, v, g, g, state_v_first=True, warmup=torch.tensor([3] * 8), warmup_eps=1e-4)
-    assert seen == [dict(plan_name="", warmup=[3] * 8, warmup_eps=1e-4, longest_tokens=T)]
+    assert seen == [dict(plan_name="", warmup=[3] * 8, warmup_eps=1e-4, longest_tokens=T, sequence_tokens=T)]
     monkeypatch.undo()
 
     name = runtime.register_library(plan, lib, f"{plan.name}@cp-bound", (0,) * 7 + (32,) * 25)

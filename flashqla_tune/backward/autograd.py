@@ -19,7 +19,7 @@ DOUBLE_BACKWARD_ERROR = (
     "(flashqla_tune::gdn_bwd) is not differentiable; take first-order gradients only (create_graph=False)")
 
 # The positions of gdn_fwd's arguments (ops.gdn_fwd_impl's order) that get a gradient
-_FWD_ARGS = 15
+_FWD_ARGS = 16
 _DQ, _DK, _DV, _DG, _DBETA, _DH0 = 0, 1, 2, 3, 4, 6
 
 
@@ -33,24 +33,14 @@ def gdn_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     (dq, dk, dv, dg, dbeta, dh0), each in its input's dtype; dh0 is an empty tensor without an
     initial state (a custom op returns tensors only). plan_name, warmup and warmup_eps are the
     forward call's (gdn_fwd's): the chains split long sequences as its CP does. sequence_tokens:
-    the length every sequence has, where the forward's host knew it to be one multiple of 64
-    (uniform_sequence_tokens), else 0."""
+    the forward call's too, the length every sequence has where its host knew it to be one multiple
+    of 64 (ops.uniform_sequence_tokens), else 0."""
     grads = chunk_gated_delta_rule_bwd_torch(
         q, k, v, g, beta, do, dht=dht, scale=scale, initial_state=initial_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cp=forward_tables(q, v, state_v_first, plan_name, warmup, warmup_eps), sequence_tokens=sequence_tokens)
     dh0 = grads.dh0 if grads.dh0 is not None else q.new_empty((0,), dtype=torch.float32)
     return grads.dq, grads.dk, grads.dv, grads.dg.to(g.dtype), grads.dbeta, dh0
-
-
-def uniform_sequence_tokens(total_rows: int, num_seqs: int, longest_tokens: int) -> int:
-    """What the forward's host knew of its sequences, as the backward's sequence_tokens: the length
-    of every one of the num_seqs sequences where the longest (longest_tokens, 0: unknown) is a
-    multiple of 64 and they all fill the total_rows token rows with it (each then has exactly that
-    length), else 0."""
-    if longest_tokens > 0 and longest_tokens % 64 == 0 and num_seqs * longest_tokens == total_rows:
-        return longest_tokens
-    return 0
 
 
 def forward_tables(q, v, state_v_first: bool, plan_name: str, warmup: list[int] | None, warmup_eps: float):
@@ -88,15 +78,15 @@ def setup_context(ctx, inputs, output) -> None:
     the flags, the call's plan and warm-up table (its CP split) and what its host knew of the
     sequences' lengths; nothing of the forward's outputs."""
     (q, k, v, g, beta, cu_seqlens, initial_state, scale, _output_final_state, use_qk_l2norm, state_v_first,
-     plan_name, warmup, warmup_eps, longest_tokens) = inputs
+     plan_name, warmup, warmup_eps, _longest_tokens, sequence_tokens) = inputs
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state)
     ctx.scale, ctx.use_qk_l2norm, ctx.state_v_first = float(scale), bool(use_qk_l2norm), bool(state_v_first)
     ctx.plan_name, ctx.warmup, ctx.warmup_eps = plan_name, None if warmup is None else list(warmup), float(warmup_eps)
-    ctx.sequence_tokens = uniform_sequence_tokens(q.shape[1], cu_seqlens.shape[0] - 1, int(longest_tokens))
+    ctx.sequence_tokens = int(sequence_tokens)
 
 
 def backward(ctx, do, dfinal):
-    """Gradients of gdn_fwd's 15 inputs from those of (o, final_state); a final state that was not
+    """Gradients of gdn_fwd's 16 inputs from those of (o, final_state); a final state that was not
     asked for is an empty tensor, and so is its gradient."""
     q, k, v, g, beta, cu_seqlens, initial_state = ctx.saved_tensors
     if do is None:

@@ -62,7 +62,7 @@ class ChunkGrid:
     # num_chunks * CHUNK past the chunks (a zero row from_chunks appends)
     dump_slot: bool = False
     # Every sequence is a whole number of chunks, back to back from row 0, so slot i is token i for
-    # every slot: the chunk layout is a view of the token rows and nothing needs a gather
+    # every slot: the chunk layout keeps the token rows' order, one copy of them and no gather
     identity: bool = False
 
 
@@ -111,26 +111,18 @@ def chunk_grid(bounds: tuple[int, ...], device) -> ChunkGrid:
 
 def uniform_chunk_grid(num_seqs: int, sequence_tokens: int, device) -> ChunkGrid:
     """The grid of num_seqs sequences of sequence_tokens tokens each (a positive multiple of CHUNK),
-    back to back: an identity grid, known on the host without reading any offsets (so, unlike
-    chunk_grid's, its steps are None, as a device grid's), cached like chunk_grid's."""
+    back to back: an identity grid, known on the host without reading any offsets (its steps are
+    None, as a device grid's). Built on the device each call, never cached, as device_chunk_grid's
+    is: a backward captured in a CUDA graph keeps its own tensors for as long as the graph lives."""
     if num_seqs < 1 or sequence_tokens < CHUNK or sequence_tokens % CHUNK:
         raise ValueError(f"uniform_chunk_grid needs at least one sequence of a positive multiple of {CHUNK} tokens, "
                          f"got {num_seqs} sequences of {sequence_tokens}")
-    key = ("uniform", num_seqs, sequence_tokens, str(device))
-    grid = _GRIDS.get(key)
-    if grid is not None:
-        _GRIDS.move_to_end(key)
-        return grid
     per_seq = sequence_tokens // CHUNK
     total = num_seqs * per_seq
     slots = torch.arange(total * CHUNK, dtype=torch.int64, device=device)
-    grid = ChunkGrid(num_seqs, total, total * CHUNK, slots, slots, None,
+    return ChunkGrid(num_seqs, total, total * CHUNK, slots, slots, None,
                      torch.arange(0, total + 1, per_seq, dtype=torch.int64, device=device),
                      torch.arange(total, dtype=torch.int64, device=device) // per_seq, identity=True)
-    _GRIDS[key] = grid
-    while len(_GRIDS) > GRID_CACHE_SIZE:
-        _GRIDS.popitem(last=False)
-    return grid
 
 
 def device_chunk_grid(cu_seqlens: torch.Tensor, total_rows: int) -> ChunkGrid:
