@@ -294,23 +294,18 @@ def make_sets(case, device, seed: int, count: int = SETS_PER_ROW):
     return sets
 
 
-def batch_rows_length(x) -> int:
-    """The one length of every sequence of a set, where they all have one (0 where they differ)."""
-    bounds = [int(b) for b in x.cu_seqlens_cpu.tolist()]
-    lengths = {b - a for a, b in zip(bounds, bounds[1:])}
-    return lengths.pop() if len(lengths) == 1 and bounds[-1] == x.q.shape[1] else 0
-
-
 def step(impl: StepImpl, x, host_offsets: bool = True, batch_rows: bool = False) -> None:
     """Gradients cleared, the saving forward, the backward from (do, dht). host_offsets: the offsets'
     host copy (cu_seqlens_cpu) is passed too where the implementation takes it. batch_rows: sequences
-    of one length go in as batch rows [N, L, ...] without offsets (a fixed-length training batch),
-    the same sequences and gradients."""
+    of one length that the op takes in whole chunks (ops.uniform_sequence_tokens) go in as batch rows
+    [N, L, ...] without offsets (a fixed-length training batch), the same sequences and gradients."""
     import torch
+
+    from flashqla_tune.ops import uniform_sequence_tokens
 
     for name in GRADIENTS:
         getattr(x, name).grad = None
-    length = batch_rows_length(x) if batch_rows else 0
+    length = uniform_sequence_tokens(x.q.shape[1], x.cu_seqlens_long, x.cu_seqlens_cpu) if batch_rows else 0
     if length:
         n = x.q.shape[1] // length
         rows = [t.reshape(n, length, *t.shape[2:]) for t in (x.q, x.k, x.v, x.g, x.beta)]
