@@ -4,9 +4,10 @@ one warp group per CTA, or two splitting every GEMM's output columns), timed on 
     python3 -P benchmarks/backward_chunk_variants.py OUT_DIR [--heads 16/32 --heads 2/8] [--tokens 32768]
                                                      (repository root; h200_steps.sh backward-variants)
 
-Per head configuration: the kernel's fp32 inputs for one sequence of --tokens tokens in its chunk
-layout ([chunks, H, 64, D], what chunked_torch hands it: q and k per q/k head, unit rows; v and dO
-normal; beta in [0, 1); the in-chunk cumulative gate of g in [-0.05, 0); A0 unit lower triangular;
+Per head configuration: the kernel's inputs for one sequence of --tokens tokens in its chunk layout
+([chunks, H, 64, D], what chunked_torch hands it for a call in --input-dtype: q, k, v and dO as views
+of token rows in that dtype, q and k per q/k head, unit rows; v and dO normal; beta in [0, 1); the
+in-chunk cumulative gate of g in [-0.05, 0); A0 unit lower triangular;
 the chains' states, state gradients, Vn and dVn normal, units 1). The kernel has no data-dependent
 branch, so its time does not depend on the values. Per variant: the median CUDA-graph replay and
 the median eager call (measure.timing.CudaTimer), the bytes a launch asks for (every input tile
@@ -39,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=32768, help="tokens of the one sequence (a multiple of 64)")
     p.add_argument("--budget-s", type=float, default=1.0, help="timing budget per variant and measurement")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="the call's dtype: q, k, v and dO read in place in it (default bfloat16)")
     args = p.parse_args(argv)
     if args.tokens <= 0 or args.tokens % 64:
         p.error(f"--tokens {args.tokens} must be a positive multiple of 64")
@@ -55,8 +58,10 @@ def parse_args(argv=None):
     return args
 
 
-def kernel_inputs(hqk: int, hv: int, tokens: int, seed: int, K: int = 128, V: int = 128):
-    """The kernel's 13 inputs (chunk_kernels.chunk_gradients' order), contiguous, on the GPU."""
+def kernel_inputs(hqk: int, hv: int, tokens: int, seed: int, K: int = 128, V: int = 128,
+                  dtype: torch.dtype = torch.bfloat16):
+    """The kernel's 13 inputs (chunk_kernels.chunk_gradients' order) on the GPU: q, k, v and dO in
+    `dtype` as the chunk views of token rows ([chunks, 64, H, D] in memory), the rest contiguous."""
     from flashqla_tune.backward import chunk_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -65,14 +70,17 @@ def kernel_inputs(hqk: int, hv: int, tokens: int, seed: int, K: int = 128, V: in
     def normal(*shape, scale=1.0):
         return scale * torch.randn(*shape, generator=gen, device="cuda")
 
-    q = F.normalize(normal(NC, hqk, C, K), dim=-1)
-    k = F.normalize(normal(NC, hqk, C, K), dim=-1)
+    def token_rows(x):   # [NC, H, C, D] -> the same values as a view of token rows in `dtype`
+        return x.transpose(1, 2).contiguous().to(dtype).transpose(1, 2)
+
+    q = token_rows(F.normalize(normal(NC, hqk, C, K), dim=-1))
+    k = token_rows(F.normalize(normal(NC, hqk, C, K), dim=-1))
     beta = torch.rand(NC, hv, C, generator=gen, device="cuda")
     gamma = (-0.05 * torch.rand(NC, hv, C, generator=gen, device="cuda")).cumsum(-1)
     a0 = torch.eye(C, device="cuda") + normal(NC, hv, C, C, scale=0.1).tril(-1)
     units = torch.ones(NC, hv, device="cuda")
     op = chunk_kernels.spec_for(K, V).torch_dtype   # the chains' results, as they store them
-    return (q, k, normal(NC, hv, C, V), normal(NC, hv, C, V, scale=K ** -0.5), beta, gamma, a0,
+    return (q, k, token_rows(normal(NC, hv, C, V)), token_rows(normal(NC, hv, C, V, scale=K ** -0.5)), beta, gamma, a0,
             *(normal(*shape).to(op) for shape in ((NC, hv, K, V), (NC, hv, K, V), (NC, hv, C, V), (NC, hv, C, V))),
             units, units)
 
@@ -96,8 +104,9 @@ def run(args) -> tuple[dict, bool]:
     timer = CudaTimer(budget_s=args.budget_s, min_samples=10, max_samples=100)
     rows, ok = [], True
     for hqk, hv in args.heads:
-        inputs = kernel_inputs(hqk, hv, args.tokens, args.seed)
-        outs, row = {}, {"heads": f"{hqk}/{hv}", "tokens": args.tokens, "ctas": inputs[0].shape[0] * hv,
+        inputs = kernel_inputs(hqk, hv, args.tokens, args.seed, dtype=getattr(torch, args.input_dtype))
+        outs, row = {}, {"heads": f"{hqk}/{hv}", "tokens": args.tokens, "input_dtype": args.input_dtype,
+                         "ctas": inputs[0].shape[0] * hv,
                          "variants": {}}
         for name, spec in variants.items():
             lib = chunk_kernels.LIBRARIES.get(spec)

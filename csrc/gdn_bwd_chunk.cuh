@@ -47,12 +47,13 @@
 // (A^T as an A operand, an MN-major B operand) are views of the same bytes, and a warp group's B
 // operand is a block of whole swizzle atoms of them (8 rows of a K-major B, 64 columns of an
 // MN-major one). An operand that a GEMM needs whole but two warp groups computed in halves (dQK,
-// dw, Y, dLb) goes through its tile, made visible by a CTA barrier. fp32 inputs are read once from
-// global memory by all threads, scaled, rounded and stored into their tile; the chains' results
-// arrive 16-bit (Elem, as the chains rounded them for their own wgmmas) and are copied as they
-// are; per-row sums stay in
-// the registers of the quad that owns the row (one partial per warp group, added in group order at
-// the end), per-column sums go to one row of shared memory per warp, added in a fixed order: no
+// dw, Y, dLb) goes through its tile, made visible by a CTA barrier. The other inputs are read once
+// from global memory by all threads, in their own dtype (q, k, v and dO as the call holds them:
+// fp32, fp16 or bf16, gdn_bwd_inputs.cuh; A0 fp32), scaled, rounded and stored into their tile;
+// the chains' results arrive 16-bit (Elem, as the chains rounded them for their own wgmmas) and
+// are copied as they are; per-row sums stay in the registers of the quad that owns the row (one
+// partial per warp group, added in group order at the end), per-column sums go to one row of
+// shared memory per warp, added in a fixed order: no
 // atomics, so a chunk's gradients are the same bits from run to run and however the batch around
 // it is made.
 #pragma once
@@ -63,6 +64,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "gdn_bwd_inputs.cuh"
 #include "gdn_sequences.cuh"  // kChunk
 #include "gdn_wgmma.cuh"
 
@@ -73,10 +75,14 @@ using namespace cute;
 template <class Cfg>
 struct ChunkGradSharedStorage;
 
-template <class Elem_, int HeadK_, int HeadV_, int Groups_>
+template <class Elem_, int HeadK_, int HeadV_, int Groups_, bool Walk_ = false>
 struct ChunkGradConfig {
   using Elem = Elem_;
   static constexpr int HeadK = HeadK_, HeadV = HeadV_, Groups = Groups_;
+  // Walk: one CTA per SM walks the tiles (tile, tile + grid, ...) and asks L2 for its next tile's
+  // inputs once its current tile's are in shared memory, so the next tile's DRAM reads overlap this
+  // tile's GEMMs; else one CTA per tile, whose inputs are asked for when it starts.
+  static constexpr bool Walk = Walk_;
   static_assert(sizeof(Elem) == 2, "the wgmma operands are 16-bit (fp16 or bf16)");
   static_assert(HeadK % 64 == 0 && HeadK <= 128 && HeadV % 64 == 0 && HeadV <= 128,
                 "K and V are 64 or 128: whole swizzle atoms, and 64 x K and 64 x V fp32 accumulators "
@@ -141,14 +147,15 @@ struct ChunkStrides {
 };
 
 // The kernel's parameters: per-chunk tensors in the batched backward's chunk layout, fp32 but for
-// the chains' 16-bit results; those and A0 contiguous, indexed by tile = chunk * Hv + v-head; q, k
-// (per q/k head), v, dO, beta and gamma through their strides.
+// the chains' 16-bit results and the inputs q, k, v and dO, which are in the call's dtype
+// (qk_dtype, vd_dtype: InputDtype); the chains' results and A0 contiguous, indexed by tile =
+// chunk * Hv + v-head; q, k (per q/k head), v, dO, beta and gamma through their strides.
 template <class Cfg>
 struct ChunkGradParams {
-  const float* q;       // [chunks, Hqk, 64, K] (after the l2norm when the op applies it)
-  const float* k;       // [chunks, Hqk, 64, K]
-  const float* v;       // [chunks, Hv, 64, V]
-  const float* dout;    // dO [chunks, Hv, 64, V], taken times dout_scale
+  const void* q;        // [chunks, Hqk, 64, K] (after the l2norm when the op applies it), qk_dtype
+  const void* k;        // [chunks, Hqk, 64, K], qk_dtype
+  const void* v;        // [chunks, Hv, 64, V], vd_dtype
+  const void* dout;     // dO [chunks, Hv, 64, V], taken times dout_scale, vd_dtype
   const float* beta;    // [chunks, Hv, 64]
   const float* gamma;   // in-chunk cumulative gate [chunks, Hv, 64]
   ChunkStrides q_strides, k_strides, v_strides, dout_strides, beta_strides, gamma_strides;
@@ -171,6 +178,8 @@ struct ChunkGradParams {
   float dout_scale;      // the op's scale
   int32_t num_heads;     // Hv
   int32_t num_qk_heads;  // Hqk, dividing Hv
+  int32_t qk_dtype;      // InputDtype of q and k
+  int32_t vd_dtype;      // InputDtype of v and dO
 };
 
 template <class Cfg>
@@ -275,35 +284,32 @@ __device__ __forceinline__ void prefetch_at_l2(const void* src) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(src) : "memory");
 }
 
-// A strided fp32 [64, D] tile (rows `row_stride` elements apart), one prefetch per 32-byte sector
+// A strided [64, D] tile of In (rows `row_stride` elements apart), one prefetch per 32-byte sector
 // (whether a prefetch brings more is not specified), spread over the CTA's threads.
-template <int D, int Threads>
-__device__ __forceinline__ void prefetch_rows_l2(const float* g, int64_t row_stride) {
-  constexpr int kSectorsPerRow = D * int(sizeof(float)) / 32;
-  static_assert(kSectorsPerRow * 32 == D * int(sizeof(float)) && kChunk * kSectorsPerRow % Threads == 0,
+template <int D, int Threads, class In>
+__device__ __forceinline__ void prefetch_rows_l2(const In* g, int64_t row_stride) {
+  constexpr int kRowBytes = D * int(sizeof(In)), kSectorsPerRow = kRowBytes / 32, kSectorElems = 32 / int(sizeof(In));
+  static_assert(kSectorsPerRow * 32 == kRowBytes && kChunk * kSectorsPerRow % Threads == 0,
                 "rows of whole sectors, as many for every thread");
   CUTE_UNROLL
   for (int j = 0; j < kChunk * kSectorsPerRow / Threads; ++j) {
     const int i = threadIdx.x + Threads * j;
-    prefetch_at_l2(g + (i / kSectorsPerRow) * row_stride + (i % kSectorsPerRow) * 8);
+    prefetch_at_l2(g + (i / kSectorsPerRow) * row_stride + (i % kSectorsPerRow) * kSectorElems);
   }
 }
 
-// Element (r, c..c+3) of an fp32 tile of rows `row_stride` elements apart (a multiple of 4, the
-// base 16-byte aligned: the host checks), as one float4.
-__device__ __forceinline__ float4 load4(const float* g, int64_t row_stride, int r, int c) {
-  return __ldg(reinterpret_cast<const float4*>(g + r * row_stride + c));
-}
-
-// An fp32 [R, C] tile from global memory into its 16-bit shared tile, times `scale`.
-template <int R, int C, int Threads, class STile>
-__device__ __forceinline__ void stage_scaled(STile s, const float* g, int64_t row_stride, float scale) {
-  constexpr int kPerThread = R * C / 4 / Threads;
-  static_assert(kPerThread * 4 * Threads == R * C, "a tile is whole float4 rows of the threads");
+// An [R, C] tile of In from global memory (rows `row_stride` elements apart, 16-byte pieces: the
+// host checks strides and base) into its 16-bit shared tile, times `scale`.
+template <int R, int C, int Threads, class In, class STile>
+__device__ __forceinline__ void stage_scaled(STile s, const In* g, int64_t row_stride, float scale) {
+  constexpr int N = kPieceElems<In>, kPerThread = R * C / N / Threads;
+  static_assert(kPerThread * N * Threads == R * C, "a tile is whole 16-byte pieces of the threads");
 #pragma unroll 8
   for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + Threads * j, r = idx / (C / 4), c = idx % (C / 4) * 4;
-    store4(s, r, c, load4(g, row_stride, r, c), scale);
+    const int idx = threadIdx.x + Threads * j, r = idx / (C / N), c = idx % (C / N) * N;
+    float x[N];
+    load_piece(g + r * row_stride + c, x);
+    store_scaled_piece<typename STile::value_type>(&s(r, c), x, scale);
   }
 }
 
@@ -340,24 +346,26 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
   return sum;
 }
 
-// The same for a tile that brings its own scale: returns it (unit_scale of the tile's largest |x|).
-template <int R, int C, int Threads, class STile>
-__device__ __forceinline__ float stage_normalised(STile s, const float* g, int64_t row_stride, float* scratch) {
-  constexpr int kPerThread = R * C / 4 / Threads;
-  static_assert(kPerThread * 4 * Threads == R * C, "a tile is whole float4 rows of the threads");
-  float4 x[kPerThread];
+// stage_scaled for a tile that brings its own scale: returns it (unit_scale of the tile's largest
+// |x|). The tile stays in registers between the two passes (R * C / Threads fp32 a thread).
+template <int R, int C, int Threads, class In, class STile>
+__device__ __forceinline__ float stage_normalised(STile s, const In* g, int64_t row_stride, float* scratch) {
+  constexpr int N = kPieceElems<In>, kPerThread = R * C / N / Threads;
+  static_assert(kPerThread * N * Threads == R * C, "a tile is whole 16-byte pieces of the threads");
+  float x[kPerThread][N];
   float amax = 0.f;
   CUTE_UNROLL
   for (int j = 0; j < kPerThread; ++j) {
     const int idx = threadIdx.x + Threads * j;
-    x[j] = load4(g, row_stride, idx / (C / 4), idx % (C / 4) * 4);
-    amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x[j].x), fabsf(x[j].y)), fmaxf(fabsf(x[j].z), fabsf(x[j].w))));
+    load_piece(g + (idx / (C / N)) * row_stride + idx % (C / N) * N, x[j]);
+    CUTE_UNROLL
+    for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x[j][i]));
   }
   const float scale = unit_scale(cta_reduce<true, Threads / 32>(amax, scratch));
   CUTE_UNROLL
   for (int j = 0; j < kPerThread; ++j) {
     const int idx = threadIdx.x + Threads * j;
-    store4(s, idx / (C / 4), idx % (C / 4) * 4, x[j], scale);
+    store_scaled_piece<typename STile::value_type>(&s(idx / (C / N), idx % (C / N) * N), x[j], scale);
   }
   return scale;
 }
@@ -474,18 +482,44 @@ __device__ __forceinline__ void operands_ready() {
   __syncthreads();
 }
 
+// Asks L2 for every input tile of `tile` (chunk * Hv + v-head) at once, instead of tile after tile
+// as the staging reads them: the strided ones line by line, the contiguous ones whole.
+template <class Cfg>
+__device__ __forceinline__ void prefetch_tile(const ChunkGradParams<Cfg>& p, int64_t tile) {
+  using Elem = typename Cfg::Elem;
+  constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk, T = Cfg::Threads;
+  const int hv = int(tile % p.num_heads);
+  const int64_t chunk = tile / p.num_heads;
+  const int hq = hv / (p.num_heads / p.num_qk_heads);
+  if (threadIdx.x == 0) {
+    prefetch_l2(p.a0 + tile * C * C, C * C * sizeof(float));
+    prefetch_l2(p.vn + tile * C * V, C * V * sizeof(Elem));
+    prefetch_l2(p.dvn + tile * C * V, C * V * sizeof(Elem));
+    prefetch_l2(p.state + tile * K * V, K * V * sizeof(Elem));
+    prefetch_l2(p.dstate + tile * K * V, K * V * sizeof(Elem));
+  }
+  with_input_type(p.qk_dtype, [&](auto in) {
+    using In = decltype(in);
+    prefetch_rows_l2<K, T>(static_cast<const In*>(p.q) + p.q_strides.at(chunk, hq), p.q_strides.row);
+    prefetch_rows_l2<K, T>(static_cast<const In*>(p.k) + p.k_strides.at(chunk, hq), p.k_strides.row);
+  });
+  with_input_type(p.vd_dtype, [&](auto in) {
+    using In = decltype(in);
+    prefetch_rows_l2<V, T>(static_cast<const In*>(p.v) + p.v_strides.at(chunk, hv), p.v_strides.row);
+    prefetch_rows_l2<V, T>(static_cast<const In*>(p.dout) + p.dout_strides.at(chunk, hv), p.dout_strides.row);
+  });
+}
+
 // ---------------------------------------------------------------- the kernel
 
-// Grid: x = chunk * Hv + v-head. Block: Cfg::Threads threads.
+// One tile (chunk * Hv + v-head): its inputs staged, then its gradients. `next` >= 0: the tile
+// this CTA takes after this one, whose inputs L2 is asked for once this tile's are staged.
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::Threads, 1)
-    gdn_bwd_chunk_kernel(CUTE_GRID_CONSTANT const ChunkGradParams<Cfg> p) {
+__device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typename Cfg::SharedStorage& ss,
+                                           const int64_t tile, const int64_t next) {
   using Elem = typename Cfg::Elem;
   constexpr int K = Cfg::HeadK, V = Cfg::HeadV, C = kChunk, T = Cfg::Threads, W = Cfg::Warps;
   constexpr int NC = Cfg::NC, NK = Cfg::NK, NV = Cfg::NV;
-  extern __shared__ __align__(1024) char smem_raw[];
-  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
-  const int64_t tile = blockIdx.x;
   const int hv = int(tile % p.num_heads);
   const int64_t chunk = tile / p.num_heads;
   const int hq = hv / (p.num_heads / p.num_qk_heads);  // the v-head's q/k head
@@ -534,19 +568,6 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
   Tensor sDWtB = tile_of(ss.dw.data() + col_block<C>(group, NK), typename Cfg::template TileTRows<C, K, NK>{});
   Tensor sDVntB = tile_of(ss.dvn.data() + col_block<C>(group, NV), typename Cfg::template TileTRows<C, V, NV>{});
 
-  // ---- every input tile into L2 (the strided ones line by line, the contiguous ones whole)
-  if (tid == 0) {
-    prefetch_l2(p.a0 + tile * C * C, C * C * sizeof(float));
-    prefetch_l2(p.vn + tile * C * V, C * V * sizeof(Elem));
-    prefetch_l2(p.dvn + tile * C * V, C * V * sizeof(Elem));
-    prefetch_l2(p.state + tile * K * V, K * V * sizeof(Elem));
-    prefetch_l2(p.dstate + tile * K * V, K * V * sizeof(Elem));
-  }
-  prefetch_rows_l2<K, T>(p.q + p.q_strides.at(chunk, hq), p.q_strides.row);
-  prefetch_rows_l2<K, T>(p.k + p.k_strides.at(chunk, hq), p.k_strides.row);
-  prefetch_rows_l2<V, T>(p.v + p.v_strides.at(chunk, hv), p.v_strides.row);
-  prefetch_rows_l2<V, T>(p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row);
-
   // ---- gates, beta and the per-column sums
   if (tid < C) {
     ss.gamma[tid] = p.gamma[p.gamma_strides.at(chunk, hv) + tid * p.gamma_strides.row];
@@ -591,10 +612,21 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
              s_a0);
     }
   }
-  const float s_q = stage_normalised<C, K, T>(sQ, p.q + p.q_strides.at(chunk, hq), p.q_strides.row, ss.reduce);
-  const float s_k = stage_normalised<C, K, T>(sK, p.k + p.k_strides.at(chunk, hq), p.k_strides.row, ss.reduce);
-  const float s_v = stage_normalised<C, V, T>(sV, p.v + p.v_strides.at(chunk, hv), p.v_strides.row, ss.reduce);
-  stage_scaled<C, V, T>(sDO, p.dout + p.dout_strides.at(chunk, hv), p.dout_strides.row, unit_d * p.dout_scale);
+  float s_q, s_k, s_v;  // the q, k and v tiles' own scales
+  with_input_type(p.qk_dtype, [&](auto in) {
+    using In = decltype(in);
+    s_q = stage_normalised<C, K, T>(sQ, static_cast<const In*>(p.q) + p.q_strides.at(chunk, hq), p.q_strides.row,
+                                    ss.reduce);
+    s_k = stage_normalised<C, K, T>(sK, static_cast<const In*>(p.k) + p.k_strides.at(chunk, hq), p.k_strides.row,
+                                    ss.reduce);
+  });
+  with_input_type(p.vd_dtype, [&](auto in) {
+    using In = decltype(in);
+    s_v = stage_normalised<C, V, T>(sV, static_cast<const In*>(p.v) + p.v_strides.at(chunk, hv), p.v_strides.row,
+                                    ss.reduce);
+    stage_scaled<C, V, T>(sDO, static_cast<const In*>(p.dout) + p.dout_strides.at(chunk, hv), p.dout_strides.row,
+                          unit_d * p.dout_scale);
+  });
   stage_copy<C, V, T>(sVn, p.vn + tile * C * V);
   stage_copy<C, V, T>(sDVn, p.dvn + tile * C * V);
   {
@@ -616,6 +648,7 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     if (tid == 0) ss.tail = __expf(gamma_last) * dot;  // the df terms are added in step 7
   }
   operands_ready();
+  if (next >= 0) prefetch_tile(p, next);
 
   float row_g[2] = {0.f, 0.f}, row_b[2] = {0.f, 0.f};  // this thread's two rows' sums, its columns'
   // every (64, NC) accumulator's coordinates are the same, so are every (64, NK) one's
@@ -781,6 +814,28 @@ __global__ void __launch_bounds__(Cfg::Threads, 1)
     for (int i = C - 1; i >= 0; --i) {
       run += row_sum(ss.row_gamma, i) - col_sum(ss.col_gamma, i) + (i == C - 1 ? ss.tail : 0.f);
       p.dg[p.dg_strides.at(chunk, hv) + i * p.dg_strides.row] = run * inv_du;
+    }
+  }
+}
+
+// Grid: x = chunk * Hv + v-head (one CTA a tile), or with Cfg::Walk at most one CTA per SM, each
+// walking tiles blockIdx.x, blockIdx.x + gridDim.x, ... Block: Cfg::Threads threads.
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::Threads, 1)
+    gdn_bwd_chunk_kernel(CUTE_GRID_CONSTANT const ChunkGradParams<Cfg> p) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
+  if constexpr (!Cfg::Walk) {
+    prefetch_tile(p, blockIdx.x);
+    chunk_tile(p, ss, blockIdx.x, -1);
+  } else {
+    const int64_t tiles = p.num_chunks * p.num_heads;
+    int64_t tile = blockIdx.x;
+    if (tile < tiles) prefetch_tile(p, tile);
+    for (; tile < tiles; tile += gridDim.x) {
+      const int64_t next = tile + gridDim.x;
+      chunk_tile(p, ss, tile, next < tiles ? next : -1);
+      __syncthreads();  // the tile's last shared-memory readers, before the next tile's writers
     }
   }
 }

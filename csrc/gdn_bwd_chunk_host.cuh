@@ -12,23 +12,27 @@
 
 
 // Bumped whenever FqtBwdChunkArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHUNK_ABI_VERSION 4
+#define FQT_BWD_CHUNK_ABI_VERSION 5
 
 extern "C" {
-// Every tensor is fp32, on the device, in the chunk layout of the batched backward ([chunks, H, 64,
-// D], pad rows zero); q and k per q/k head, everything else per v-head. q, k, v, dout, beta and
-// gamma are read and the five outputs written through their element strides (chunk, head, row;
-// columns contiguous; for q, k, v, dout the row stride a multiple of 4 and the base 16-byte
-// aligned, for dq, dk, dv a multiple of 2 and 8 bytes), the rest is contiguous.
+// Every tensor is on the device, in the chunk layout of the batched backward ([chunks, H, 64, D],
+// pad rows zero), fp32 but for the chains' 16-bit results and q, k, v and dout, whose element
+// types qk_dtype and vd_dtype name (fqt::InputDtype: fp32, fp16 or bf16); q and k per q/k head,
+// everything else per v-head. q, k, v, dout, beta and gamma are read and the five outputs written
+// through their element strides (chunk, head, row; columns contiguous; for q, k, v, dout every
+// stride whole 16-byte pieces and the base 16-byte aligned, for dq, dk, dv a multiple of 2 and
+// 8 bytes), the rest is contiguous.
 typedef struct FqtBwdChunkArgs {
   int32_t num_heads;      // Hv
   int32_t num_qk_heads;   // Hqk, dividing Hv
   int64_t num_chunks;
   float dout_scale;       // the op's scale: the kernel's dO is dout_scale times dout
-  const float* q;         // [chunks, Hqk, 64, K]
-  const float* k;         // [chunks, Hqk, 64, K]
-  const float* v;         // [chunks, Hv, 64, V]
-  const float* dout;      // dO [chunks, Hv, 64, V]
+  int32_t qk_dtype;       // fqt::InputDtype of q and k
+  int32_t vd_dtype;       // fqt::InputDtype of v and dout
+  const void* q;          // [chunks, Hqk, 64, K]
+  const void* k;          // [chunks, Hqk, 64, K]
+  const void* v;          // [chunks, Hv, 64, V]
+  const void* dout;       // dO [chunks, Hv, 64, V]
   const float* beta;      // [chunks, Hv, 64]
   const float* gamma;     // [chunks, Hv, 64] in-chunk cumulative gate
   int64_t q_strides[3], k_strides[3], v_strides[3], dout_strides[3], beta_strides[3], gamma_strides[3];
@@ -50,14 +54,15 @@ typedef struct FqtBwdChunkArgs {
 
 namespace fqt {
 
-// Checks what the kernel relies on, then launches one CTA per (chunk, v-head).
+// Checks what the kernel relies on, then launches one CTA per (chunk, v-head), or one per SM that
+// walks them (Cfg::Walk).
 template <class Cfg>
 cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
   static_assert(Cfg::SmemBytes <= 227 * 1024, "the CTA's tiles exceed the 227 KiB of shared memory a CTA can have");
   if (a == nullptr) return cudaErrorInvalidValue;
   if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
-      !std::isfinite(a->dout_scale))
+      !std::isfinite(a->dout_scale) || !valid_input_dtype(a->qk_dtype) || !valid_input_dtype(a->vd_dtype))
     return cudaErrorInvalidValue;
   // the grid's x is chunks * Hv (< 2^31)
   if (a->num_chunks * a->num_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
@@ -69,13 +74,16 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
     if (ptr == nullptr) return cudaErrorInvalidValue;
   for (const void* ptr : outputs)
     if (ptr == nullptr) return cudaErrorInvalidValue;
-  // 16-byte loads of the tiles: 16-byte aligned bases, and the fp32 ones' strides of whole float4s
+  // 16-byte loads of the tiles: 16-byte aligned bases, and the strided ones' strides of whole pieces
   const void* tiles[] = {a->q, a->k, a->v, a->dout, a->a0, a->state, a->dstate, a->vn, a->dvn};
   for (const void* ptr : tiles)
     if (reinterpret_cast<uintptr_t>(ptr) % 16) return cudaErrorMisalignedAddress;
-  for (const int64_t* st : {a->q_strides, a->k_strides, a->v_strides, a->dout_strides})
-    for (int i = 0; i < 3; ++i)
-      if (st[i] < 0 || st[i] % 4) return cudaErrorMisalignedAddress;
+  auto piece_elems = [](int32_t dtype) { return dtype == kInputF32 ? 4 : 8; };
+  const int64_t qk_piece = piece_elems(a->qk_dtype), vd_piece = piece_elems(a->vd_dtype);
+  for (int i = 0; i < 3; ++i)
+    if (a->q_strides[i] < 0 || a->q_strides[i] % qk_piece || a->k_strides[i] < 0 || a->k_strides[i] % qk_piece ||
+        a->v_strides[i] < 0 || a->v_strides[i] % vd_piece || a->dout_strides[i] < 0 || a->dout_strides[i] % vd_piece)
+      return cudaErrorMisalignedAddress;
   // float2 stores of the gradient tiles
   for (const void* ptr : {a->dq, a->dk, a->dv})
     if (reinterpret_cast<uintptr_t>(ptr) % 8) return cudaErrorMisalignedAddress;
@@ -98,9 +106,16 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
                          a->dq, a->dk, a->dv, a->dbeta, a->dg,
                          strides(a->dq_strides), strides(a->dk_strides), strides(a->dv_strides),
                          strides(a->dbeta_strides), strides(a->dg_strides),
-                         a->num_chunks, a->dout_scale, a->num_heads, a->num_qk_heads};
-  const dim3 grid(unsigned(a->num_chunks * a->num_heads));
-  gdn_bwd_chunk_kernel<Cfg><<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(p);
+                         a->num_chunks, a->dout_scale, a->num_heads, a->num_qk_heads, a->qk_dtype, a->vd_dtype};
+  int64_t ctas = a->num_chunks * a->num_heads;  // one a tile, or one per SM walking them (Cfg::Walk)
+  if constexpr (Cfg::Walk) {
+    int device = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+    ctas = ctas < sms ? ctas : sms;
+  }
+  gdn_bwd_chunk_kernel<Cfg><<<dim3(unsigned(ctas)), Cfg::Threads, Cfg::SmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

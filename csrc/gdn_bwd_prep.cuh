@@ -28,10 +28,11 @@
 // chunk's 64 rows of a head, pad rows zero, so a tail or a chunk of no sequence needs no mask and
 // no offsets are read: q, k [chunks, Hqk, 64, K] 16-bit, contiguous (the TMA boxes); g, beta fp32
 // [chunks, Hv, 64] contiguous (PrepGates reads each (chunk, v-head) as a 64-row block of one head);
-// v and dO fp32 [chunks, Hv, 64, V] with any chunk, head and row strides (to_chunks' view of its
-// gathered rows is one). GVA: v-head h reads q/k head h / (Hv / Hqk).
+// v and dO [chunks, Hv, 64, V] in the call's dtype (fp32, fp16 or bf16: gdn_bwd_inputs.cuh) with
+// any chunk, head and row strides of whole 16-byte pieces (the call's token rows are such a view).
+// GVA: v-head h reads q/k head h / (Hv / Hqk).
 //
-// Range: the 16-bit operand tiles built from fp32 (V, dO, A diag(b), X diag(b), P) are each
+// Range: the 16-bit operand tiles built from wider values (V, dO, A diag(b), X diag(b), P) are each
 // scaled by a power of two that takes their largest magnitude into [1, 2) (exact; a training
 // step's tiny dO neither underflows nor loses its mantissa), and the fp32 accumulators are scaled
 // back when stored. q and k arrive 16-bit (normalised rows, or the op's own 16-bit inputs).
@@ -42,6 +43,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "gdn_bwd_inputs.cuh"
 #include "gdn_gate_options.cuh"
 #include "gdn_pipeline.cuh"
 #include "gdn_prep.cuh"
@@ -128,10 +130,11 @@ struct BwdPrepParams {
   // (nothing else of it is read: default gate options, no l2norm, no CP plan).
   PrepArgs<typename Cfg::Prep> prep;
   const typename Cfg::Elem* q;  // [chunks, Hqk, 64, K]: tma_q's tensor, read again for D Q
-  const float* v;               // fp32 [chunks, Hv, 64, V] with the strides below (elements)
-  const float* dout;            // dO, as v
+  const void* v;                // [chunks, Hv, 64, V] of vd_dtype with the strides below (elements)
+  const void* dout;             // dO, as v
   int64_t v_stride[3];          // chunk, head, row
   int64_t dout_stride[3];
+  int32_t vd_dtype;             // InputDtype of v and dO
   typename Cfg::Elem* w;        // [chunks, Hv, 64, K]
   typename Cfg::Elem* kd;
   typename Cfg::Elem* qd;
@@ -141,6 +144,8 @@ struct BwdPrepParams {
   float* gamma;                 // [chunks, Hv, 64]
   float* a;                     // [chunks, Hv, 64, 64] Gamma * A0; null: not written
   float* a0;                    // [chunks, Hv, 64, 64] A0; null: not written
+  float* u_amax;                // [chunks, Hv] the largest |u| of the tile; null: not written
+  float* dout_amax;             // [chunks, Hv] the largest |dO| of the tile (without dout_scale); null: not written
   int64_t num_chunks;
   float dout_scale;             // the op's scale, folded into P^T dO
   int32_t num_heads;            // Hv
@@ -160,15 +165,19 @@ __device__ __forceinline__ Pow2Unit pow2_unit(float amax) {
   return Pow2Unit{__uint_as_float((254u - e) << 23), __uint_as_float(e << 23)};
 }
 
-// The CTA's largest value of each m[n] (non-negative), returned to every thread; writes
-// ss.amax, so the caller must not call it again before another barrier has passed.
+// The larger of a and b, NaN where either is (fmaxf would drop a NaN): a tile's largest magnitude
+// that says when the tile holds a NaN.
+__device__ __forceinline__ float max_or_nan(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+
+// The CTA's largest value of each m[n] (non-negative, or NaN: max_or_nan), returned to every
+// thread; writes ss.amax, so the caller must not call it again before another barrier has passed.
 template <class Cfg, int N>
 __device__ __forceinline__ void cta_amax(typename Cfg::SharedStorage& ss, float (&m)[N], int first, int tid) {
   const int warp = tid / 32, lane = tid % 32;
   CUTE_UNROLL
   for (int n = 0; n < N; ++n) {
     CUTE_UNROLL
-    for (int o = 16; o > 0; o >>= 1) m[n] = fmaxf(m[n], __shfl_xor_sync(0xffffffffu, m[n], o));
+    for (int o = 16; o > 0; o >>= 1) m[n] = max_or_nan(m[n], __shfl_xor_sync(0xffffffffu, m[n], o));
     if (lane == 0) ss.amax[warp][first + n] = m[n];
   }
   __syncthreads();
@@ -176,43 +185,45 @@ __device__ __forceinline__ void cta_amax(typename Cfg::SharedStorage& ss, float 
   for (int n = 0; n < N; ++n) {
     m[n] = ss.amax[0][first + n];
     CUTE_UNROLL
-    for (int w = 1; w < Cfg::Warps; ++w) m[n] = fmaxf(m[n], ss.amax[w][first + n]);
+    for (int w = 1; w < Cfg::Warps; ++w) m[n] = max_or_nan(m[n], ss.amax[w][first + n]);
   }
 }
 
-// Step A: V and dO of the item, fp32 rows from global memory, into their (v, t) operand tiles,
+// Step A: V and dO of the item, rows of In from global memory, into their (v, t) operand tiles,
 // each scaled by its own power of two. By all 128 threads, both tiles' loads in flight at once: a
-// thread holds 1/128 of each tile's float4 pieces, loaded coalesced (a row's V / 4 pieces by
+// thread holds 1/128 of each tile's 16-byte pieces, loaded coalesced (a row's pieces by
 // consecutive threads).
-template <class Cfg>
+template <class Cfg, class In>
 __device__ __forceinline__ void load_value_tiles(const BwdPrepParams<Cfg>& p, typename Cfg::SharedStorage& ss,
-                                                 int64_t chunk, int hv, int tid) {
+                                                 int64_t item, int64_t chunk, int hv, int tid) {
   using Elem = typename Cfg::Elem;
-  constexpr int kPieces = kChunk * Cfg::HeadV / 4 / Cfg::Threads;
-  constexpr int kRowPieces = Cfg::HeadV / 4;
-  const float* src[2] = {p.v + chunk * p.v_stride[0] + hv * p.v_stride[1],
-                         p.dout + chunk * p.dout_stride[0] + hv * p.dout_stride[1]};
+  constexpr int N = kPieceElems<In>;
+  constexpr int kPieces = kChunk * Cfg::HeadV / N / Cfg::Threads;
+  constexpr int kRowPieces = Cfg::HeadV / N;
+  const In* src[2] = {static_cast<const In*>(p.v) + chunk * p.v_stride[0] + hv * p.v_stride[1],
+                      static_cast<const In*>(p.dout) + chunk * p.dout_stride[0] + hv * p.dout_stride[1]};
   const int64_t row_stride[2] = {p.v_stride[2], p.dout_stride[2]};
   Elem* dst_tile[2] = {ss.tiles.v.data(), ss.tiles.dout.data()};
-  float4 x[2][kPieces];
+  float x[2][kPieces][N];
   float m[2] = {0.f, 0.f};
   CUTE_UNROLL
   for (int s = 0; s < 2; ++s) {
     CUTE_UNROLL
     for (int n = 0; n < kPieces; ++n) {
-      const int piece = tid + n * Cfg::Threads, t = piece / kRowPieces, c = 4 * (piece % kRowPieces);
-      x[s][n] = __ldg(reinterpret_cast<const float4*>(src[s] + t * row_stride[s] + c));
+      const int piece = tid + n * Cfg::Threads, t = piece / kRowPieces, c = N * (piece % kRowPieces);
+      load_piece(src[s] + t * row_stride[s] + c, x[s][n]);
     }
   }
   CUTE_UNROLL
   for (int s = 0; s < 2; ++s) {
     CUTE_UNROLL
     for (int n = 0; n < kPieces; ++n) {
-      const float4 y = x[s][n];
-      m[s] = fmaxf(m[s], fmaxf(fmaxf(fabsf(y.x), fabsf(y.y)), fmaxf(fabsf(y.z), fabsf(y.w))));
+      CUTE_UNROLL
+      for (int i = 0; i < N; ++i) m[s] = max_or_nan(m[s], fabsf(x[s][n][i]));
     }
   }
   cta_amax<Cfg>(ss, m, kUnitV, tid);
+  if (tid == 0 && p.dout_amax) p.dout_amax[item] = m[1];   // the chains' unit for dO is taken from it
   CUTE_UNROLL
   for (int s = 0; s < 2; ++s) {
     const Pow2Unit unit = pow2_unit(m[s]);
@@ -220,11 +231,9 @@ __device__ __forceinline__ void load_value_tiles(const BwdPrepParams<Cfg>& p, ty
     Tensor sT = make_tensor(make_smem_ptr(dst_tile[s]), typename Cfg::LayoutVT{});
     CUTE_UNROLL
     for (int n = 0; n < kPieces; ++n) {
-      const int piece = tid + n * Cfg::Threads, t = piece / kRowPieces, c = 4 * (piece % kRowPieces);
-      // four consecutive v of one t: 8 bytes inside one 16-byte piece of the swizzled tile
-      const float4 y = x[s][n];
-      *reinterpret_cast<uint2*>(&sT(c, t)) = make_uint2(pack2<Elem>(unit.unit * y.x, unit.unit * y.y),
-                                                        pack2<Elem>(unit.unit * y.z, unit.unit * y.w));
+      const int piece = tid + n * Cfg::Threads, t = piece / kRowPieces, c = N * (piece % kRowPieces);
+      // N consecutive v of one t (c % N == 0): inside one 16-byte piece of the swizzled tile
+      store_scaled_piece<Elem>(&sT(c, t), x[s][n], unit.unit);
     }
   }
 }
@@ -288,9 +297,9 @@ __device__ __forceinline__ void build_operand_tiles(const BwdPrepParams<Cfg>& p,
       tm[r] = ai * bc;
       xb[r] = xi * bc;
       pv[r] = mask * qk[qk_offset<Cfg::Prep::QkInQ>(i, c)];
-      m[0] = fmaxf(m[0], fabsf(tm[r]));
-      m[1] = fmaxf(m[1], fabsf(xb[r]));
-      m[2] = fmaxf(m[2], fabsf(pv[r]));
+      m[0] = max_or_nan(m[0], fabsf(tm[r]));
+      m[1] = max_or_nan(m[1], fabsf(xb[r]));
+      m[2] = max_or_nan(m[2], fabsf(pv[r]));
     }, part);
   };
   if (half == 0) column(0);
@@ -361,10 +370,10 @@ __device__ __forceinline__ void gemm_and_store(const SA& sA, const SB& sB, int t
 
 // Step D: u = (A diag(b)) V, P^T dO and w = diag(d) (X diag(b)) K on wgmma from the operand
 // tiles, one accumulator tile at a time (64 x 128 fp32 is 64 registers per thread), each scaled
-// back by its operands' inverses when stored.
+// back by its operands' inverses when stored; and u's largest magnitude, the chains' unit for u.
 template <class Cfg>
 __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typename Cfg::SharedStorage& ss,
-                                              int64_t vrow0, int tid) {
+                                              int64_t item, int64_t vrow0, int tid) {
   constexpr int K = Cfg::HeadK, V = Cfg::HeadV;
   Tensor sTm = make_tensor(make_smem_ptr(ss.tiles.tm.data()), typename Cfg::LayoutA{});
   Tensor sXb = make_tensor(make_smem_ptr(ss.tiles.xb.data()), typename Cfg::LayoutA{});
@@ -375,9 +384,17 @@ __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typen
   const float inv_u = ss.inverse[kUnitTm] * ss.inverse[kUnitV];
   const float inv_p = ss.inverse[kUnitP] * ss.inverse[kUnitDo] * p.dout_scale;
   const float inv_w = ss.inverse[kUnitXb];
+  float u_max[1] = {0.f};
   gemm_and_store<typename Cfg::MmaU, V>(sTm, sV, tid, [&](const auto& acc, const auto& crd) {
     store_column_tiles<Cfg::AddBlockV>(p.u + vrow0 * V, acc, crd, inv_u);
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc); ++e) u_max[0] = max_or_nan(u_max[0], fabsf(inv_u * acc(e)));
   });
+  if (p.u_amax) {
+    // slot kUnitV: its last readers passed the barriers of steps A to C
+    cta_amax<Cfg>(ss, u_max, kUnitV, tid);
+    if (tid == 0) p.u_amax[item] = u_max[0];
+  }
   gemm_and_store<typename Cfg::MmaP, V>(sPt, sDo, tid, [&](const auto& acc, const auto& crd) {
     store_column_tiles<Cfg::AddBlockV>(p.ptdo + vrow0 * V, acc, crd, inv_p);
   });
@@ -434,7 +451,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm)
 
   // A. V and dO into their operand tiles while the q/k tiles load (its barrier also publishes
   //    the scanned gates).
-  load_value_tiles<Cfg>(p, ss, chunk, hv, tid);
+  with_input_type(p.vd_dtype, [&](auto in) { load_value_tiles<Cfg, decltype(in)>(p, ss, item, chunk, hv, tid); });
 
   // K K^T and Q K^T (the prep's step 2; pad rows are already zero in the chunk layout).
   const typename Prep::LoadPipeline tiles(ss.prep.loaded);
@@ -453,7 +470,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm)
   __syncthreads();
 
   // D. u, P^T dO and w.
-  operand_gemms<Cfg>(p, ss, vrow0, tid);
+  operand_gemms<Cfg>(p, ss, item, vrow0, tid);
 }
 
 }  // namespace fqt

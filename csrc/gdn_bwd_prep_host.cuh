@@ -12,12 +12,13 @@
 
 
 // Bumped whenever FqtBwdPrepArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_PREP_ABI_VERSION 2
+#define FQT_BWD_PREP_ABI_VERSION 3
 
 extern "C" {
 // Every tensor is on the device in the padded chunk layout of the batched backward ([chunks, H,
 // 64, D], pad rows zero); q and k per q/k head, everything else per v-head. Contiguous but v and
-// dout, whose last dim is contiguous and whose other strides (elements) are given.
+// dout, whose last dim is contiguous and whose other strides (elements) are given, in the element
+// type vd_dtype names (fqt::InputDtype: fp32, fp16 or bf16).
 typedef struct FqtBwdPrepArgs {
   int32_t num_heads;          // Hv
   int32_t num_qk_heads;       // Hqk, dividing Hv
@@ -28,10 +29,11 @@ typedef struct FqtBwdPrepArgs {
   const void* k;              // 16-bit [chunks, Hqk, 64, K]
   const float* g;             // fp32 [chunks, Hv, 64]
   const float* beta;          // fp32 [chunks, Hv, 64]
-  const float* v;             // fp32 [chunks, Hv, 64, V], strides v_stride
-  const float* dout;          // fp32 dO, strides dout_stride
-  int64_t v_stride[3];        // chunk, head, row (16-byte multiples)
+  const void* v;              // [chunks, Hv, 64, V] of vd_dtype, strides v_stride
+  const void* dout;           // dO, as v
+  int64_t v_stride[3];        // chunk, head, row (16-byte multiples), in elements
   int64_t dout_stride[3];
+  int32_t vd_dtype;           // fqt::InputDtype of v and dout
   void* w;                    // 16-bit [chunks, Hv, 64, K]: T D K
   void* kd;                   // 16-bit [chunks, Hv, 64, K]: diag(e^{gamma_C - gamma}) K
   void* qd;                   // 16-bit [chunks, Hv, 64, K]: D Q
@@ -41,6 +43,8 @@ typedef struct FqtBwdPrepArgs {
   float* gamma;               // fp32 [chunks, Hv, 64]
   float* a;                   // fp32 [chunks, Hv, 64, 64]: Gamma * A0; null: not written
   float* a0;                  // fp32 [chunks, Hv, 64, 64]: A0; null: not written
+  float* u_amax;              // fp32 [chunks, Hv]: the largest |u| of each tile; null: not written
+  float* dout_amax;           // fp32 [chunks, Hv]: the largest |dout| of each tile; null: not written
 } FqtBwdPrepArgs;
 }
 
@@ -52,7 +56,7 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   using Prep = typename Cfg::Prep;
   if (a == nullptr) return cudaErrorInvalidValue;
   if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
-      a->add_block_v != Cfg::AddBlockV || !std::isfinite(a->dout_scale))
+      a->add_block_v != Cfg::AddBlockV || !std::isfinite(a->dout_scale) || !valid_input_dtype(a->vd_dtype))
     return cudaErrorInvalidValue;
   // TMA coordinates are int32 (the q/k rows), and so is the grid's x (chunks * Hv).
   if (a->num_chunks * a->num_qk_heads * kChunk >= (int64_t(1) << 31) || a->num_chunks * a->num_heads >= (int64_t(1) << 31))
@@ -62,8 +66,11 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
                             a->decay, a->gamma};
   for (const void* ptr : required)
     if (ptr == nullptr) return cudaErrorInvalidValue;
+  const int64_t piece = a->vd_dtype == kInputF32 ? 4 : 8;  // elements of a 16-byte piece
   for (int i = 0; i < 3; ++i)
-    if (a->v_stride[i] % 4 || a->dout_stride[i] % 4) return cudaErrorInvalidValue;  // float4 rows
+    if (a->v_stride[i] % piece || a->dout_stride[i] % piece) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(a->v) % 16 || reinterpret_cast<uintptr_t>(a->dout) % 16)
+    return cudaErrorMisalignedAddress;
 
   const cudaError_t setup = allow_dynamic_smem_once<gdn_bwd_prep_kernel<Cfg>>(Cfg::SmemBytes);
   if (setup != cudaSuccess) return setup;
@@ -78,6 +85,7 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   p.q = static_cast<const Elem*>(a->q);
   p.v = a->v;
   p.dout = a->dout;
+  p.vd_dtype = a->vd_dtype;
   for (int i = 0; i < 3; ++i) {
     p.v_stride[i] = a->v_stride[i];
     p.dout_stride[i] = a->dout_stride[i];
@@ -91,6 +99,8 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   p.gamma = a->gamma;
   p.a = a->a;
   p.a0 = a->a0;
+  p.u_amax = a->u_amax;
+  p.dout_amax = a->dout_amax;
   p.num_chunks = a->num_chunks;
   p.dout_scale = a->dout_scale;
   p.num_heads = a->num_heads;

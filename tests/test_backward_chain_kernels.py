@@ -103,7 +103,7 @@ def test_chain_units_are_powers_of_two_per_sequence_and_head():
     x[grid.chunk_sequence == 4] *= 1e9                      # one sequence far larger than the others
     x[:, 2][grid.chunk_sequence == 3] = 0                   # one head of one sequence all zero
     final = torch.randn(grid.num_seqs, 3, 4, 8) * 1e-9
-    unit, per_chunk = chunked_torch._chain_units(grid, x, final)
+    unit, per_chunk = chunked_torch._chain_units(grid, chunked_torch.tile_amax(x), final)
     assert unit.shape == (5, 3, 1, 1) and per_chunk.shape == (7, 3, 1, 1)
     assert torch.equal(per_chunk, unit[grid.chunk_sequence])
     assert torch.equal(torch.exp2(torch.round(torch.log2(unit))), unit)       # powers of two
@@ -113,11 +113,14 @@ def test_chain_units_are_powers_of_two_per_sequence_and_head():
                              final[s].abs().amax(dim=(-2, -1)))
         scaled = peak * unit[s].flatten()
         assert ((scaled >= 1) & (scaled < 2) | (peak == 0)).all(), (s, scaled)
-    alone, _ = chunked_torch._chain_units(grid, x * (grid.chunk_sequence == 0)[:, None, None, None], final)
+    alone, _ = chunked_torch._chain_units(
+        grid, chunked_torch.tile_amax(x * (grid.chunk_sequence == 0)[:, None, None, None]), final)
     assert torch.equal(alone[0], unit[0])                   # a sequence's unit ignores the rest of the batch
     bad = x.clone()
     bad[0, 0, 0, 0] = float("nan")
-    assert torch.isnan(chunked_torch._chain_units(grid, bad, None)[0][0, 0]).all()
+    assert torch.isnan(chunked_torch._chain_units(grid, chunked_torch.tile_amax(bad), None)[0][0, 0]).all()
+    assert chunked_torch.tile_amax(x.bfloat16()).dtype == torch.float32     # a 16-bit tile's, exact in fp32
+    assert torch.equal(chunked_torch.tile_amax(x.bfloat16()), x.bfloat16().abs().amax(dim=(2, 3)).float())
 
 
 def test_a_failed_library_is_tried_again_once_a_pack_offers_one(tmp_path, monkeypatch):

@@ -143,14 +143,16 @@ def test_template_only_fixes_constants():
                                                  warp_groups=1))
     assert '#include "gdn_bwd_chunk_host.cuh"' in text
     assert "fqt::ChunkGradConfig<cutlass::bfloat16_t, /*K=*/64, /*V=*/128,\n" in text
-    assert "/*warp_groups=*/1>" in text
+    assert "/*warp_groups=*/1, /*walk=*/false>" in text
+    assert "/*walk=*/true>" in chunk_kernels.render_source(ChunkSpec(walk=True))
     assert f"FQT_BWD_CHUNK_ABI_VERSION == {chunk_kernels.ABI_VERSION}" in text
 
 
 @pytest.mark.parametrize("bad, match", [
     (dict(operand_dtype="float32"), "operand_dtype"), (dict(head_k_dim=96), "head_k_dim"),
     (dict(head_v_dim=256), "head_v_dim"), (dict(warp_groups=3), "warp_groups"),
-    (dict(head_k_dim=64), "warp_groups=2 needs K = V = 128")])
+    (dict(head_k_dim=64), "warp_groups=2 needs K = V = 128"), (dict(walk=1), "walk=1 must be a bool"),
+    (dict(warp_groups=1, walk=True), "walk needs warp_groups=2")])
 def test_spec_refuses_what_the_kernel_does_not_instantiate(bad, match):
     with pytest.raises(ValueError, match=match):
         ChunkSpec(**bad)
@@ -167,7 +169,9 @@ def test_spec_for_covers_the_chain_kernels_dims():
 
 def test_variants_are_the_warp_group_counts_the_dims_allow():
     variants = chunk_kernels.variants_for(128, 128)
-    assert variants == {"wg1": ChunkSpec(warp_groups=1), "wg2": ChunkSpec(warp_groups=2)}
+    assert variants == {"wg1": ChunkSpec(warp_groups=1), "wg2": ChunkSpec(warp_groups=2),
+                        "wg2-walk": ChunkSpec(warp_groups=2, walk=True)}
+    assert len({spec.name for spec in variants.values()}) == len(variants)   # each its own library
     assert chunk_kernels.spec_for(128, 128) in variants.values()
     with pytest.raises(ValueError, match="K=64, V=64"):
         chunk_kernels.variants_for(64, 64)

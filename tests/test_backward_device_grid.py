@@ -88,6 +88,30 @@ def test_an_identity_grid_moves_rows_as_a_gathering_grid_does(make):
         chunked_torch.uniform_chunk_grid(2, 100, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_the_kernels_read_in_place_are_views_only_where_they_can(dtype):
+    """chunk_rows(copy=False): the kernels' inputs in the call's dtype. An identity grid over rows of
+    whole 16-byte pieces gives a view of the rows themselves (no copy); any other grid gathers
+    (a fresh buffer, pad slots zero), and rows that are not whole pieces are copied
+    (_whole_pieces)."""
+    piece = 16 // torch.empty((), dtype=dtype).element_size()
+    grid = chunked_torch.uniform_chunk_grid(2, 128, torch.device("cpu"))
+    x = torch.randn(256, 4, 2 * piece).to(dtype)
+    assert chunked_torch._whole_pieces(x)
+    view = chunked_torch.chunk_rows(x, grid, copy=False)
+    assert view.dtype == dtype and view.data_ptr() == x.data_ptr() and view.shape == (4, 4, 64, 2 * piece)
+    assert torch.equal(view, chunked_torch.to_chunks(x, grid))
+    copied = chunked_torch.chunk_rows(x, grid)
+    assert copied.data_ptr() != x.data_ptr() and torch.equal(copied, view)
+    host = chunked_torch.chunk_grid((0, 100, 256), torch.device("cpu"))
+    gathered = chunked_torch.chunk_rows(x, host, copy=False)
+    assert gathered.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    assert torch.equal(gathered, chunked_torch.to_chunks(x, host))
+    odd = torch.randn(256, 4, 2 * piece + 1).to(dtype)[..., 1:]   # columns start off a piece
+    assert not chunked_torch._whole_pieces(odd)
+    assert not chunked_torch._whole_pieces(x.transpose(1, 2))     # columns not contiguous
+
+
 def test_the_forwards_host_names_one_length_only_when_it_fixes_every_sequence():
     from flashqla_tune.ops import uniform_sequence_tokens
 
@@ -123,6 +147,7 @@ class ChainKernelsDouble:
     def __init__(self):
         self.calls = []
         self.warm_windows = 0     # windows taken (not refused by the guard), over both directions
+        self.inputs = []          # the per-chunk kernel's q, v and dO, per call
 
     @staticmethod
     def _outputs(w, add, segments):
@@ -204,6 +229,8 @@ class ChainKernelsDouble:
         their units; written into `out` when given, as the kernel does."""
         self.calls.append("chunk")
         assert all(t.dtype == chain_kernels.spec_for(128, 128).torch_dtype for t in (state, dstate, vn, dvn))
+        self.inputs.append(dict(q=q, v=v, dout=dout))   # as the kernel would read them
+        q, k, v, dout = (x.float() for x in (q, k, v, dout))
         group = v.shape[1] // q.shape[1]
         qc, kc = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
         Gamma = decay_mask(gamma)
@@ -222,13 +249,20 @@ class ChainKernelsDouble:
 
 @pytest.fixture
 def chains_double(monkeypatch):
+    """The three kernels replaced by CPU test doubles: the chains' (ChainKernelsDouble), the
+    per-chunk kernel's (its chunk_gradients) and the prep's (test_backward_prep_kernels'
+    torch_backward_prep), so q, k, v and dO reach them as the kernels would read them."""
+    from flashqla_tune.backward import prep_kernels
+    from test_backward_prep_kernels import torch_backward_prep
+
     double = ChainKernelsDouble()
     monkeypatch.setattr(chunked_torch, "uses_chain_kernels", lambda sequential, *a: sequential != "torch")
     monkeypatch.setattr(chunked_torch, "_chain_library_or_none", lambda *a: "library double")
     monkeypatch.setattr(chain_kernels, "chain_states", double.chain_states)
     monkeypatch.setattr(chain_kernels, "chain_gradients", double.chain_gradients)
     monkeypatch.setattr(chunked_torch, "_chunk_library_or_none", lambda *a: "library double")
-    monkeypatch.setattr(chunked_torch, "_prep_pieces", lambda *a: None)  # the torch pieces (the prep's own tests)
+    monkeypatch.setattr(chunked_torch, "_prep_library_or_none", lambda *a: "library double")
+    monkeypatch.setattr(prep_kernels, "backward_prep", torch_backward_prep)
     monkeypatch.setattr(chunk_kernels, "chunk_gradients", double.chunk_gradients)
     monkeypatch.setattr(chunked_torch, "chunk_grid", lambda *a: pytest.fail("the host grid was built"))
     return double
@@ -272,6 +306,10 @@ def test_sequences_the_host_knows_give_the_loops_gradients_without_a_device_grid
     monkeypatch.setattr(chunked_torch, "device_chunk_grid", lambda *a: pytest.fail("the device grid was built"))
     got = chunk_gated_delta_rule_bwd_torch(**args, sequence_tokens=128)
     assert chains_double.calls == ["states", "gradients", "chunk"]
+    # the kernels read the call's rows in place, in the call's dtype: no conversion copy
+    read = chains_double.inputs[0]
+    for name, t in (("q", inputs["q"]), ("v", inputs["v"]), ("dout", do)):
+        assert read[name].dtype == t.dtype and read[name].data_ptr() == t.data_ptr(), name
     monkeypatch.undo()
     want = chunk_gated_delta_rule_bwd_torch(**args, sequential="torch")
     for n in NAMES:

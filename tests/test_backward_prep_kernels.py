@@ -63,13 +63,22 @@ def test_launch_refuses_tensors_it_cannot_take():
         prep_kernels.backward_prep(**_inputs(Hqk=2, Hv=3))
 
 
-def test_value_rows_must_be_whole_16_byte_pieces():
-    v = torch.zeros(2, 3, 64, 130)[..., 1:129]
-    with pytest.raises(ValueError, match="v: expected a float32 tensor .* whole 16 bytes"):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_value_rows_must_be_whole_16_byte_pieces(dtype):
+    v = torch.zeros(2, 3, 64, 136, dtype=dtype)[..., 1:129]
+    with pytest.raises(ValueError, match="v: the kernel reads its rows in 16-byte pieces"):
         prep_kernels._check_rows("v", v, (2, 3, 64, 128), v.device)
-    # to_chunks' view ([chunks, 64, H, D] storage) is taken as it is
-    view = torch.zeros(2, 64, 3, 128).transpose(1, 2)
+    # a view of token rows ([chunks, 64, H, D] storage) is taken as it is, in the call's dtype
+    view = torch.zeros(2, 64, 3, 128, dtype=dtype).transpose(1, 2)
     prep_kernels._check_rows("v", view, (2, 3, 64, 128), view.device)
+    with pytest.raises(ValueError, match=f"dout: expected a tensor of shape .* of {torch.float64}"):
+        prep_kernels._check_rows("dout", view, (2, 3, 64, 128), view.device, torch.float64)
+
+
+def test_value_rows_of_another_dtype_are_refused():
+    v = torch.zeros(2, 3, 64, 128, dtype=torch.float64)
+    with pytest.raises(ValueError, match="v: the kernel reads float32, float16 or bfloat16 inputs, got torch.float64"):
+        prep_kernels._check_rows("v", v, (2, 3, 64, 128), v.device)
 
 
 # ---------------------------------------------------------------- the backward's wiring, on the CPU
@@ -79,11 +88,12 @@ def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=Tr
     """A stand-in for prep_kernels.backward_prep on any device: the same outputs from the same
     inputs, computed as chunked_torch's torch pieces (fp32), the chain operands rounded to the
     operand dtype, u and P^T dO in the chain kernels' add tiles."""
-    from flashqla_tune.backward import chain_kernels
+    from flashqla_tune.backward import chain_kernels, chunked_torch
 
     from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse as inverse
 
     group = v.shape[1] // q.shape[1]
+    v, dout = v.float(), dout.float()   # the call's dtype, as the kernel reads them
     qc, kc = (x.float().repeat_interleave(group, dim=1) for x in (q, k))
     gamma = g.cumsum(-1)
     last = gamma[..., -1]
@@ -98,7 +108,8 @@ def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=Tr
     return prep_kernels.PrepPieces(
         w=(Tm @ (d * kc)).to(op), kd=(f * kc).to(op), qd=(d * qc).to(op), u=chain_kernels.add_tiles(Tm @ v, bv),
         ptdo=chain_kernels.add_tiles(dout_scale * P.transpose(-1, -2) @ dout, bv),
-        decay=last.exp(), gamma=gamma, a=A if gated_inverse else None, a0=A0 if gate_free_inverse else None)
+        decay=last.exp(), gamma=gamma, a=A if gated_inverse else None, a0=A0 if gate_free_inverse else None,
+        u_amax=chunked_torch.tile_amax(Tm @ v), dout_amax=chunked_torch.tile_amax(dout))
 
 
 @pytest.mark.parametrize("name", ["varlen_tails_gva", "batched_vk_l2norm"])

@@ -3,7 +3,8 @@
 1. The kernel against chunked_torch.per_chunk_gradients in float64 (the torch step 3 it replaces)
    on the same per-chunk inputs, the chains run in float64 too (chains_torch), the chains' results
    handed over scaled by the units chunked_torch gives the chain kernels, q, k, v, dO, beta and
-   gamma as to_chunks' strided views (and once q and k as contiguous copies): relative L2 of each of
+   gamma as to_chunks' strided views (and once q and k as contiguous copies; q, k, v and dO once
+   as 16-bit views, which must give the bits of their fp32 copies): relative L2 of each of
    dq, dk, dv, dbeta, dg below 2e-3, outputs NaN-poisoned first, three fresh draws per case: GVA
    heads, varlen with tails not a multiple of 64 and empty and one-token sequences, h0 and dht,
    zero, weak and strong decay, output gradients of a training step's size (3e-8) and large ones
@@ -101,8 +102,9 @@ def per_chunk_case(seed, seqlens, hqk, hv, decay, h0, dht, size, qk):
     want = chunked_torch.per_chunk_gradients(qc, kc, vc, bc, dOs, gamma, Gamma, A0, A, Tm, Kdd, QK, h, dh_out, Vn,
                                              dVn)
     f32 = lambda t: t.float().contiguous()  # noqa: E731
-    _, unit_u = chunked_torch._chain_units(grid, f32(u), None if h0_t is None else f32(h0_t))
-    _, unit_d = chunked_torch._chain_units(grid, f32(dOs), None if dht_t is None else f32(dht_t))
+    _, unit_u = chunked_torch._chain_units(grid, chunked_torch.tile_amax(f32(u)), None if h0_t is None else f32(h0_t))
+    _, unit_d = chunked_torch._chain_units(grid, chunked_torch.tile_amax(f32(dOs)),
+                                          None if dht_t is None else f32(dht_t))
     NC = grid.num_chunks
     # q, k, v, dO, beta and gamma as the backward hands them over: to_chunks' views of token rows
     # (strides kept by .float()), which the kernel reads in place; dO without the scale, which the
@@ -159,6 +161,44 @@ def test_repeated_and_shared_qk_heads_agree(variant):
     for what, a, b, c in zip(OUTPUTS, shared, repeated, again):
         assert torch.equal(a, b), what
         assert torch.equal(a, c), what
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("which", ["qk", "vd", "both"])
+def test_16_bit_inputs_give_the_bits_of_their_fp32_copies(which, dtype):
+    """q, k (which "qk") and v, dO ("vd") read in the call's 16-bit dtype, in place through the
+    chunk views' strides: the same bits as the kernel gives on fp32 copies of the same values (the
+    kernel widens them exactly, then scales and rounds as it does fp32 inputs)."""
+    _, inputs = per_chunk_case(21, [300, 64, 129], 2, 8, "mixed", True, True, 1.0, "unit")
+    narrow = list(inputs)
+    for i in {"qk": (0, 1), "vd": (2, 3), "both": (0, 1, 2, 3)}[which]:
+        narrow[i] = inputs[i].to(dtype)              # strides kept: views of token rows
+        assert narrow[i].stride() == inputs[i].stride()
+    wide = [x.float() if i < 4 else x for i, x in enumerate(narrow)]
+    got = chunk_kernels.chunk_gradients(*narrow)
+    want = chunk_kernels.chunk_gradients(*wide)
+    torch.cuda.synchronize()
+    for what, a, b in zip(OUTPUTS, got, want):
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"{which} {dtype}: {what}"
+
+
+def test_inputs_the_kernel_cannot_read_in_place_are_refused():
+    _, inputs = per_chunk_case(22, [130], 1, 2, "mixed", True, True, 1.0, "unit")
+    args = list(inputs)
+    args[1] = inputs[1].bfloat16()                  # k's dtype is not q's
+    with pytest.raises(ValueError, match="k: expected a torch.float32 tensor"):
+        chunk_kernels.chunk_gradients(*args)
+    args = list(inputs)
+    wide = torch.zeros(*inputs[2].shape[:-1], V + 4, device=DEV)
+    args[2] = wide[..., 4:]                         # columns start 16 bytes in: whole pieces, fine
+    chunk_kernels.chunk_gradients(*args)
+    args[2] = wide.bfloat16()[..., 4:]              # 8 bytes in: not a 16-byte piece
+    args[3] = inputs[3].bfloat16()
+    with pytest.raises(ValueError, match="v: the kernel reads its rows in 16-byte pieces"):
+        chunk_kernels.chunk_gradients(*args)
+    args[2] = inputs[2].double()
+    with pytest.raises(ValueError, match="v: expected a torch.float32 or torch.float16 or torch.bfloat16 tensor"):
+        chunk_kernels.chunk_gradients(*args)
 
 
 # name: (seqlens, hqk, hv, dtype, decay, h0, dht, layout_vk, l2norm, output gradient size[, the

@@ -10,6 +10,7 @@
    entirely). The inputs are what chunked_torch hands the kernel: q and k in the chunk layout in
    the operand dtype, v and dO as to_chunks' fp32 views (not contiguous; the kernel folds
    the op's scale into P^T dO), g and beta contiguous; the reference takes the float64 values before any rounding.
+   v and dO once as 16-bit views, which must give the bits of their fp32 copies.
 2. A tiny and a large dO (a training step's output gradient, a large loss scale): P^T dO keeps its
    relative accuracy (the kernel scales dO's tile by a power of two before rounding it).
 """
@@ -46,8 +47,9 @@ CASES = {
 }
 
 
-def reference_pieces(qc, kc, vc, dOs, gc, bc, group):
-    """chunked_torch's state-independent pieces (its code, in the inputs' float64)."""
+def reference_pieces(qc, kc, vc, dOs, gc, bc, group, dout_scale=K ** -0.5):
+    """chunked_torch's state-independent pieces (its code, in the inputs' float64), and the tiles'
+    largest |u| and |dO| (dO without the scale)."""
     qc, kc = qc.repeat_interleave(group, dim=1), kc.repeat_interleave(group, dim=1)
     gamma = gc.cumsum(-1)
     gamma_last = gamma[..., -1]
@@ -58,8 +60,10 @@ def reference_pieces(qc, kc, vc, dOs, gc, bc, group):
     d = gamma.exp()[..., None]
     f = (gamma_last[..., None] - gamma).exp()[..., None]
     P = Gamma * (qc @ kc.transpose(-1, -2))
-    return dict(w=Tm @ (d * kc), kd=f * kc, qd=d * qc, u=Tm @ vc, ptdo=P.transpose(-1, -2) @ dOs,
-                decay=gamma_last.exp(), gamma=gamma, a=A, a0=A0)
+    u = Tm @ vc
+    return dict(w=Tm @ (d * kc), kd=f * kc, qd=d * qc, u=u, ptdo=P.transpose(-1, -2) @ dOs,
+                decay=gamma_last.exp(), gamma=gamma, a=A, a0=A0, u_amax=u.abs().amax(dim=(2, 3)),
+                dout_amax=dOs.abs().amax(dim=(2, 3)) / dout_scale)
 
 
 def draw(seed, seqlens, hqk, hv, decay, do_size=1.0):
@@ -92,7 +96,7 @@ def poisoned(NC, Hv, op):
     return prep_kernels.PrepPieces(
         w=nan(NC, Hv, 64, K, dt=op), kd=nan(NC, Hv, 64, K, dt=op), qd=nan(NC, Hv, 64, K, dt=op),
         u=nan(NC, Hv, V // BLOCK_V, 64, BLOCK_V), ptdo=nan(NC, Hv, V // BLOCK_V, 64, BLOCK_V), decay=nan(NC, Hv), gamma=nan(NC, Hv, 64),
-        a=nan(NC, Hv, 64, 64), a0=nan(NC, Hv, 64, 64))
+        a=nan(NC, Hv, 64, 64), a0=nan(NC, Hv, 64, 64), u_amax=nan(NC, Hv), dout_amax=nan(NC, Hv))
 
 
 def compare(name, seed, got, want, only=None) -> str:
@@ -105,7 +109,7 @@ def compare(name, seed, got, want, only=None) -> str:
             out = chain_kernels.from_add_tiles(out)
         assert torch.isfinite(out).all(), f"{name} seed={seed}: {what} has non-finite (unwritten) elements"
         err = rel_l2(out.double(), ref)
-        bar = GATE_BAR if what in ("gamma", "decay") else KERNEL_BAR
+        bar = GATE_BAR if what in ("gamma", "decay", "dout_amax") else KERNEL_BAR
         parts.append(f"{what}={err:.2e}")
         assert err < bar, f"{name} seed={seed}: {what} relative L2 {err:.2e} >= {bar}"
     return " ".join(parts)
@@ -128,9 +132,41 @@ def test_prep_kernel_matches_float64_torch_pieces(name):
         assert torch.allclose(got.a[spare], eye.expand_as(got.a[spare]), rtol=0, atol=1e-6), name
         assert torch.equal(got.a0[spare], eye.expand_as(got.a0[spare])), name
         assert (got.decay[spare] == 1).all() and (got.gamma[spare] == 0).all(), name
-        assert all((t[spare] == 0).all() for t in (got.w, got.kd, got.qd, got.u, got.ptdo)), name
+        assert all((t[spare] == 0).all() for t in (got.w, got.kd, got.qd, got.u, got.ptdo, got.u_amax,
+                                                   got.dout_amax)), name
         print(line)
         LOG.append(line)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_values_give_the_bits_of_their_fp32_copies(dtype):
+    """v and dO in the call's 16-bit dtype, read in place through the chunk views' strides: the
+    same bits as on fp32 copies of the same values."""
+    op = prep_kernels.spec_for(K, V).torch_dtype
+    grid, _, kernel_in = draw(23, [300, 64, 129], 2, 8, "mixed")
+    narrow = dict(kernel_in, v=kernel_in["v"].to(dtype), dout=kernel_in["dout"].to(dtype))
+    wide = dict(kernel_in, v=narrow["v"].float(), dout=narrow["dout"].float())
+    assert narrow["v"].stride() == kernel_in["v"].stride()   # views of token rows, not copies
+    got = prep_kernels.backward_prep(**narrow, out=poisoned(grid.num_chunks, 8, op))
+    want = prep_kernels.backward_prep(**wide, out=poisoned(grid.num_chunks, 8, op))
+    torch.cuda.synchronize()
+    for what in ("w", "kd", "qd", "u", "ptdo", "decay", "gamma", "a", "a0", "u_amax", "dout_amax"):
+        a, b = getattr(got, what), getattr(want, what)
+        assert torch.isfinite(a).all() and torch.equal(a, b), f"{dtype}: {what}"
+
+
+def test_a_nan_shows_in_its_tiles_largest_magnitudes():
+    """The chains' units come from u_amax and dout_amax: a NaN in v or dO makes its tile's NaN (the
+    sequence's units then NaN, so its results are non-finite, never scaled to look finite)."""
+    op = prep_kernels.spec_for(K, V).torch_dtype
+    grid, _, kernel_in = draw(29, [300], 1, 2, "mixed")
+    v, dout = kernel_in["v"].clone(), kernel_in["dout"].clone()
+    v[2, 1, 5, 7] = float("nan")
+    dout[3, 0, 9, 100] = float("nan")
+    got = prep_kernels.backward_prep(**dict(kernel_in, v=v, dout=dout), out=poisoned(grid.num_chunks, 2, op))
+    torch.cuda.synchronize()
+    nan_u, nan_d = torch.isnan(got.u_amax), torch.isnan(got.dout_amax)
+    assert nan_u[2, 1] and nan_u.sum() == 1 and nan_d[3, 0] and nan_d.sum() == 1
 
 
 @pytest.mark.parametrize("do_size", [3e-9, 3e4])
@@ -174,7 +210,7 @@ def test_the_backward_with_the_prep_kernel_gives_the_torch_pieces_gradients(l2no
     monkeypatch.setattr(prep_kernels, "backward_prep", counted)
     got = chunked_torch.chunk_gated_delta_rule_bwd_torch(**args)
     assert len(calls) == 1
-    monkeypatch.setattr(chunked_torch, "_prep_pieces", lambda *a: None)
+    monkeypatch.setattr(chunked_torch, "_prep_library_or_none", lambda *a: None)   # the torch pieces
     want = chunked_torch.chunk_gated_delta_rule_bwd_torch(**args)
     torch.cuda.synchronize()
     parts = []

@@ -7,9 +7,10 @@ applied), all per v-head in the padded chunk layout [chunks, Hv, 64, .], fp32, t
 buffers' strides: the backward hands it views of token-major chunks, so that each gradient goes back
 to token rows in one row gather (the v-heads summed per q/k head before it).
 
-Its inputs are the batched backward's fp32 per-chunk tensors: q and k per q/k head (not repeated
-over the v-heads: the kernel reads each v-head's q/k head), v, the scaled dO, beta, the in-chunk
-cumulative gate gamma and A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, and the chains' results as
+Its inputs are the batched backward's per-chunk tensors: q and k per q/k head (not repeated over
+the v-heads: the kernel reads each v-head's q/k head), v and dO in the call's dtype (fp32, fp16 or
+bf16, read in place: views of the call's token rows need no copy), beta, the in-chunk cumulative
+gate gamma and A0 = (I + strictly_lower(diag(b) K K^T))^{-1} in fp32, and the chains' results as
 the chain kernels return them, still scaled per (sequence, v-head) by chunked_torch._chain_units:
 S_c and Vn by unit_u, dS_{c+1} and dVn by unit_d, with those units per chunk. The kernel rounds
 everything to 16-bit wgmma operands itself (fp16 by default, `OPERAND_DTYPE`), with dO scaled by
@@ -30,10 +31,11 @@ import torch
 
 from . import chain_kernels
 from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
-                             check_tensor, ptr, render_template, spec_json, stream_handle)
+                             check_pieces, check_tensor, input_dtype_code, ptr, render_template, spec_json,
+                             stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
-ABI_VERSION = 4      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
+ABI_VERSION = 5      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
 
 
 class ChunkKernelError(BackwardKernelError):
@@ -43,12 +45,15 @@ class ChunkKernelError(BackwardKernelError):
 
 @dataclass(frozen=True)
 class ChunkSpec(LibrarySpec):
-    """What one per-chunk gradient library is compiled for: the operand dtype, the head dims, and
-    the warp groups of a CTA (two split every GEMM's output columns between them; K = V = 128)."""
+    """What one per-chunk gradient library is compiled for: the operand dtype, the head dims, the
+    warp groups of a CTA (two split every GEMM's output columns between them; K = V = 128), and
+    whether a CTA walks tiles (walk: one CTA per SM takes tile after tile and has L2 fetch its next
+    tile's inputs while it computes the current one; else one CTA per tile)."""
     operand_dtype: str = "float16"
     head_k_dim: int = 128
     head_v_dim: int = 128
     warp_groups: int = 2
+    walk: bool = False
 
     def __post_init__(self) -> None:
         self._check_operand_dtype()
@@ -58,13 +63,19 @@ class ChunkSpec(LibrarySpec):
                                  f"accumulators of one warp group)")
         if self.warp_groups not in (1, 2):
             raise ValueError(f"ChunkSpec.warp_groups={self.warp_groups!r} must be 1 or 2")
+        if not isinstance(self.walk, bool):
+            raise ValueError(f"ChunkSpec.walk={self.walk!r} must be a bool")
+        if self.walk and self.warp_groups != 2:
+            raise ValueError(f"ChunkSpec.walk needs warp_groups=2, not {self.warp_groups}: a one-group CTA that "
+                             f"walks tiles spills registers (ptxas, K = V = 128)")
         if self.warp_groups == 2 and (self.head_k_dim, self.head_v_dim) != (128, 128):
             raise ValueError(f"ChunkSpec.warp_groups=2 needs K = V = 128 (each group takes 64 columns, whole "
                              f"swizzle atoms), not K={self.head_k_dim}, V={self.head_v_dim}")
 
     @property
     def name(self) -> str:
-        return f"gdn_bwd_chunk_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}_wg{self.warp_groups}"
+        return (f"gdn_bwd_chunk_{self.operand_dtype}_k{self.head_k_dim}_v{self.head_v_dim}_wg{self.warp_groups}"
+                + ("_walk" if self.walk else ""))
 
 
 OPERAND_DTYPE = "float16"
@@ -84,15 +95,17 @@ def spec_for(head_k_dim: int, head_v_dim: int) -> ChunkSpec:
 
 def variants_for(head_k_dim: int, head_v_dim: int) -> dict[str, ChunkSpec]:
     """Every library the kernel can be built as for these head dims, with spec_for's operand dtype,
-    by name ("wg1", "wg2": its warp groups a CTA), spec_for's among them: what the GPU tests check
-    against float64 and benchmarks/backward_chunk_variants.py times."""
+    by name ("wg1", "wg2": its warp groups a CTA; "-walk": CTAs that walk tiles), spec_for's among
+    them: what the GPU tests check against float64 and benchmarks/backward_chunk_variants.py times."""
     spec_for(head_k_dim, head_v_dim)   # ValueError outside BACKWARD_DIMS
     out = {}
     for groups in (1, 2):
-        try:
-            out[f"wg{groups}"] = ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, groups)
-        except ValueError:   # a warp-group count these dims do not allow
-            continue
+        for walk in (False, True):
+            try:
+                spec = ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, groups, walk)
+            except ValueError:   # a warp-group count (or walk) these dims do not allow
+                continue
+            out[f"wg{groups}" + ("-walk" if walk else "")] = spec
     return out
 
 
@@ -101,7 +114,7 @@ def render_source(spec: ChunkSpec) -> str:
     return render_template(
         TEMPLATE_NAME, name=spec.name, abi_version=ABI_VERSION, spec_json=spec_json(spec),
         element_type=ELEMENT_TYPES[spec.operand_dtype], head_k_dim=spec.head_k_dim, head_v_dim=spec.head_v_dim,
-        warp_groups=spec.warp_groups)
+        warp_groups=spec.warp_groups, walk="true" if spec.walk else "false")
 
 
 STRIDED = ("q", "k", "v", "dout", "beta", "gamma")  # the inputs read in place through their strides
@@ -113,7 +126,7 @@ class ChunkArgs(ctypes.Structure):
     """ctypes mirror of FqtBwdChunkArgs (csrc/gdn_bwd_chunk_host.cuh); the library reports its size."""
     _fields_ = [
         ("num_heads", ctypes.c_int32), ("num_qk_heads", ctypes.c_int32), ("num_chunks", ctypes.c_int64),
-        ("dout_scale", ctypes.c_float),
+        ("dout_scale", ctypes.c_float), ("qk_dtype", ctypes.c_int32), ("vd_dtype", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in STRIDED),
         *((f"{name}_strides", _Strides) for name in STRIDED),
         *((name, ctypes.c_void_p) for name in (
@@ -129,22 +142,25 @@ LIBRARIES = LibraryTable(KIND)   # this process's chunk libraries: get(spec), of
 
 # ---------------------------------------------------------------- the launch on torch tensors
 
-def _strides(name: str, t: torch.Tensor, shape: tuple, device, vector: int = 4) -> tuple[int, int, int]:
+def _strides(name: str, t: torch.Tensor, shape: tuple, device, write: bool = False,
+             dtypes: tuple = (torch.float32,)) -> tuple[int, int, int]:
     """The (chunk, head, row) element strides of a tensor the kernel reads or writes in place (0
-    along a dim of size 1): fp32 on `device`, non-negative strides; a tile ([chunks, H, 64, D]) with
-    contiguous columns, its rows read (vector = 4, float4s: strides of multiples of 4 elements, a
-    16-byte aligned start) or written (vector = 2, float2s) whole. ValueError naming what is wrong."""
-    if tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or not t.is_cuda or t.device != device:
-        raise ValueError(f"{name}: expected a torch.float32 tensor of shape {tuple(shape)} on {device}, got "
-                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    along a dim of size 1): of one of `dtypes` on `device`, non-negative strides; a tile ([chunks,
+    H, 64, D]) with contiguous columns, its rows read in 16-byte pieces (kernel_library.check_pieces)
+    or written as float2s (write: strides of multiples of 2 elements, an 8-byte aligned start).
+    ValueError naming what is wrong."""
+    if tuple(t.shape) != tuple(shape) or t.dtype not in dtypes or not t.is_cuda or t.device != device:
+        raise ValueError(f"{name}: expected a {' or '.join(map(str, dtypes))} tensor of shape {tuple(shape)} on "
+                         f"{device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
     strides = tuple(0 if n == 1 else s for n, s in zip(t.shape, t.stride()))
     if min(strides, default=0) < 0:
         raise ValueError(f"{name}: negative strides {t.stride()}")
-    if len(shape) == 4 and t.numel() and (strides[3] != 1 or any(s % vector for s in strides[:3])
-                                          or t.data_ptr() % (4 * vector)):
-        raise ValueError(f"{name}: the kernel {'reads' if vector == 4 else 'writes'} its rows as float{vector}s: "
-                         f"it needs contiguous columns, strides (chunk, head, row) of multiples of {vector} elements "
-                         f"and a {4 * vector}-byte aligned start, got strides {t.stride()} at {t.data_ptr():#x}")
+    if len(shape) == 4 and not write:
+        check_pieces(name, t.as_strided(t.shape, strides, t.storage_offset()))
+    elif len(shape) == 4 and t.numel() and (strides[3] != 1 or any(s % 2 for s in strides[:3]) or t.data_ptr() % 8):
+        raise ValueError(f"{name}: the kernel writes its rows as float2s: it needs contiguous columns, strides "
+                         f"(chunk, head, row) of multiples of 2 elements and an 8-byte aligned start, got strides "
+                         f"{t.stride()} at {t.data_ptr():#x}")
     return strides[:3]
 
 
@@ -162,12 +178,12 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
                     out=None, spec: ChunkSpec | None = None):
     """Step 3 of the backward for every (chunk, v-head), on the device's current stream.
 
-    On one CUDA device, in the chunk layout, fp32: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv;
-    v-head h reads q/k head h // (Hv / Hqk)); v, dout (dO, taken times dout_scale, the op's scale)
-    [chunks, Hv, 64, V]; beta, gamma
-    (the in-chunk cumulative gate) [chunks, Hv, 64] -- these six read in place through their strides
-    (to_chunks' views of token rows need no copy; _strides says what they must be) --;
-    and contiguous: a0 [chunks, Hv, 64, 64]; unit_u, unit_d [chunks, Hv] (powers of two); and in the
+    On one CUDA device, in the chunk layout: q, k [chunks, Hqk, 64, K] (Hqk dividing Hv; v-head h
+    reads q/k head h // (Hv / Hqk)) of one dtype, v, dout (dO, taken times dout_scale, the op's
+    scale) [chunks, Hv, 64, V] of one dtype, each pair fp32, fp16 or bf16; beta, gamma (the
+    in-chunk cumulative gate) [chunks, Hv, 64] fp32 -- these six read in place through their
+    strides (views of token rows need no copy; _strides says what they must be) --;
+    and contiguous fp32: a0 [chunks, Hv, 64, 64]; unit_u, unit_d [chunks, Hv] (powers of two); and in the
     spec's operand dtype, as the chains store them: state (unit_u S_c) and dstate (unit_d dS_{c+1})
     [chunks, Hv, K, V], vn (unit_u Vn) and dvn (unit_d dVn) [chunks, Hv, 64, V].
     Returns (dq [chunks, Hv, 64, K], dk [chunks, Hv, 64, K], dv [chunks, Hv, 64, V],
@@ -191,9 +207,10 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     if not q.is_cuda:
         raise ValueError(f"q: expected a CUDA tensor, got one on {q.device}")
     strided = dict(q=q, k=k, v=v, dout=dout, beta=beta, gamma=gamma)
-    strides = {name: _strides(name, strided[name], shape, dev) for name, shape in (
-        ("q", (NC, Hqk, C, K)), ("k", (NC, Hqk, C, K)), ("v", (NC, Hv, C, V)), ("dout", (NC, Hv, C, V)),
-        ("beta", (NC, Hv, C)), ("gamma", (NC, Hv, C)))}
+    inputs = (torch.float32, torch.float16, torch.bfloat16)
+    strides = {name: _strides(name, strided[name], shape, dev, dtypes=dtypes) for name, shape, dtypes in (
+        ("q", (NC, Hqk, C, K), inputs), ("k", (NC, Hqk, C, K), (q.dtype,)), ("v", (NC, Hv, C, V), inputs),
+        ("dout", (NC, Hv, C, V), (v.dtype,)), ("beta", (NC, Hv, C), (f32,)), ("gamma", (NC, Hv, C), (f32,)))}
     for name, t, shape in (("a0", a0, (NC, Hv, C, C)), ("unit_u", unit_u, (NC, Hv)), ("unit_d", unit_d, (NC, Hv))):
         check_tensor(name, t, shape, f32, dev)
     for name, t, shape in (("state", state, (NC, Hv, K, V)), ("dstate", dstate, (NC, Hv, K, V)),
@@ -210,12 +227,13 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     # the caller's buffers (tests pass NaN-filled ones to see that every element is written)
     out_strides = {}
     for name, t, shape in zip(OUTPUTS, out, shapes):
-        out_strides[name] = _strides(f"out {name}", t, shape, dev, vector=2)
+        out_strides[name] = _strides(f"out {name}", t, shape, dev, write=True)
         _check_no_overlap(f"out {name}", t)
     dq, dk, dv, dbeta, dg = out
     if not math.isfinite(dout_scale):
         raise ValueError(f"dout_scale={dout_scale} must be finite")
     args = ChunkArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, dout_scale=float(dout_scale),
+                     qk_dtype=input_dtype_code("q", q), vd_dtype=input_dtype_code("v", v),
                      **{name: ptr(t) for name, t in strided.items()},
                      **{f"{name}_strides": _Strides(*strides[name]) for name in STRIDED},
                      a0=ptr(a0), state=ptr(state),

@@ -172,15 +172,19 @@ def gather_chunks(padded: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
     return padded[grid.slot_token].view(grid.num_chunks, CHUNK, *padded.shape[1:]).transpose(1, 2)
 
 
-def chunk_rows(rows: torch.Tensor, grid: ChunkGrid, dtype: torch.dtype | None = None) -> torch.Tensor:
+def chunk_rows(rows: torch.Tensor, grid: ChunkGrid, dtype: torch.dtype | None = None,
+               copy: bool = True) -> torch.Tensor:
     """The grid's num_tokens token rows [num_tokens, H, D...] -> [num_chunks, H, CHUNK, D...] in
     `dtype` (default the rows'), a view of a fresh buffer (token-major: each chunk's rows are
     CHUNK apart); pad slots are zero. An identity grid takes one copy (the conversion), any other
-    a copy and a gather."""
+    a copy and a gather. copy=False: an identity grid with no conversion gives a view of `rows`
+    itself, for readers that never write to it."""
     if rows.shape[0] != grid.num_tokens:
         raise ValueError(f"chunk_rows needs the grid's {grid.num_tokens} token rows, got {rows.shape[0]}")
     if not grid.identity:
         return gather_chunks(padded_rows(rows, dtype), grid)
+    if not copy and dtype in (None, rows.dtype):
+        return rows.view(grid.num_chunks, CHUNK, *rows.shape[1:]).transpose(1, 2)
     out = torch.empty(rows.shape, dtype=dtype or rows.dtype, device=rows.device)
     out.copy_(rows)
     return out.view(grid.num_chunks, CHUNK, *rows.shape[1:]).transpose(1, 2)
@@ -362,19 +366,32 @@ def _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group: int) -> dict:
                 PtdO=P.transpose(-1, -2) @ dOs)
 
 
-def _prep_pieces(sequential: str, grid: ChunkGrid, q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
+def _whole_pieces(rows: torch.Tensor) -> bool:
+    """Whether the kernels can read these token rows [T, H, D] in place: contiguous columns, every
+    stride whole 16-byte pieces, a 16-byte aligned start (kernel_library.check_pieces)."""
+    piece = 16 // rows.element_size()
+    return (rows.stride(-1) == 1 and all(s % piece == 0 for s in rows.stride()[:-1])
+            and rows.data_ptr() % 16 == 0)
+
+
+def _prep_library_or_none(sequential: str, K: int, V: int):
+    """The prep library, or None (_library_or_none): the state-independent pieces then run in torch."""
+    from . import prep_kernels
+
+    return _library_or_none(prep_kernels, sequential, K, V,
+                            "the backward computes its state-independent pieces in torch")
+
+
+def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
     """The state-independent pieces from the prep kernel (prep_kernels.backward_prep: the chains'
-    inputs, gamma and A0), or None where "auto" cannot build or open its library: said once in a
-    warning and remembered, and the torch pieces run instead; "kernels" raises the error. q_chunks,
-    k_chunks [NC, Hqk, C, K] fp32 (normalised where the op normalises), vc and do_chunks
-    to_chunks' fp32 views (dO without the scale, which the kernel folds into P^T dO), gc and bc
-    [NC, Hv, C]. Its u and scale P^T dO come in the chain kernels' tiles (chain_kernels.add_tiles)."""
+    inputs, gamma and A0), its library had (_prep_library_or_none). q_chunks, k_chunks [NC, Hqk,
+    C, K] (normalised where the op normalises), vc and do_chunks views of the chunk layout (dO
+    without the scale, which the kernel folds into P^T dO) in the call's dtype or fp32, gc and bc
+    [NC, Hv, C] fp32. Its u and scale P^T dO come in the chain kernels' tiles
+    (chain_kernels.add_tiles)."""
     from . import prep_kernels
 
     K, V = q_chunks.shape[-1], vc.shape[-1]
-    if _library_or_none(prep_kernels, sequential, K, V,
-                        "the backward computes its state-independent pieces in torch") is None:
-        return None
     spec = prep_kernels.spec_for(K, V)
     op = spec.torch_dtype
     q16, k16 = (x.to(op, memory_format=torch.contiguous_format) for x in (q_chunks, k_chunks))
@@ -442,9 +459,26 @@ def chunk_gated_delta_rule_bwd_torch(
     def flat(x):  # [B, T, ...] -> [B*T, ...] in the compute dtype
         return x.reshape(B * T, *x.shape[2:]).to(dt)
 
-    def chunks(x):  # [B, T, ...] -> the chunk layout in the compute dtype: one conversion copy, and a
-        rows = x.reshape(B * T, *x.shape[2:])      # gather unless the grid is an identity
-        return chunk_rows(rows[:grid.num_tokens], grid, dt)  # a host grid: the offsets' tokens
+    # With the chain kernels the state-independent pieces come from one prep kernel launch
+    # (prep_kernels) and step 3 is one kernel launch (chunk_kernels); each falls back to torch, with
+    # one warning, where its library cannot be had. With both, q, k, v and dO are read as the call
+    # holds them (fp32, fp16 or bf16): in place where the grid is an identity, else gathered in
+    # their own dtype.
+    from .kernel_library import INPUT_DTYPES
+
+    prep_kernel = kernels and _prep_library_or_none(sequential, K, V) is not None
+    step3_kernel = kernels and _chunk_library_or_none(sequential, K, V) is not None
+    in_place = prep_kernel and step3_kernel
+
+    def chunks(x, as_is=False):
+        # [B, T, ...] -> the chunk layout (a host grid takes the offsets' tokens): in the compute
+        # dtype, one conversion copy and a gather unless the grid is an identity; as_is, where the
+        # kernels read x as it is, in x's dtype: a view where the grid is an identity and the rows
+        # are whole 16-byte pieces, else a gather
+        rows = x.reshape(B * T, *x.shape[2:])[:grid.num_tokens]
+        if not (as_is and in_place and x.dtype in INPUT_DTYPES):
+            return chunk_rows(rows, grid, dt)
+        return chunk_rows(rows, grid, copy=not _whole_pieces(rows))
 
     def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
         x = x.to(dt)
@@ -454,18 +488,14 @@ def chunk_gated_delta_rule_bwd_torch(
         q_raw, k_raw = flat(q), flat(k)
         q_chunks, k_chunks = to_chunks(l2_normalize(q_raw), grid), to_chunks(l2_normalize(k_raw), grid)
     else:
-        q_chunks, k_chunks = chunks(q), chunks(k)              # [NC, Hqk, C, K]
-    vc = chunks(v)                                             # [NC, Hv, C, V]
+        q_chunks, k_chunks = chunks(q, as_is=True), chunks(k, as_is=True)  # [NC, Hqk, C, K]
+    vc = chunks(v, as_is=True)                                 # [NC, Hv, C, V]
     bc = chunks(beta)                                          # [NC, Hv, C]
     gc = chunks(g)                                             # [NC, Hv, C]
-    do_chunks = chunks(do)                                     # [NC, Hv, C, V], the scale not applied
+    do_chunks = chunks(do, as_is=True)                         # [NC, Hv, C, V], the scale not applied
     h0 = None if initial_state is None else kv_state(initial_state)
     dS_end = None if dht is None else kv_state(dht)
-    # With the chain kernels the state-independent pieces come from one prep kernel launch
-    # (prep_kernels) and step 3 is one kernel launch (chunk_kernels); each falls back to torch, with
-    # one warning, where its library cannot be had.
-    pieces = _prep_pieces(sequential, grid, q_chunks, k_chunks, vc, do_chunks, scale, gc, bc) if kernels else None
-    step3_kernel = kernels and _chunk_library_or_none(sequential, K, V) is not None
+    pieces = _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale, gc, bc) if prep_kernel else None
     # the torch code takes dO with the scale folded in; the kernels fold it in as they read dO
     dOs = None if pieces is not None and step3_kernel else scale * do_chunks
     torch_pieces = None if pieces is not None else _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group)
@@ -491,11 +521,14 @@ def chunk_gated_delta_rule_bwd_torch(
             w_op, Kd_op, Qd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd", "Qd"))
             chunk_decay = gamma_last.exp().contiguous()
         segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, k_chunks, group)
-        unit_u, unit_u_c = _chain_units(grid, u, h0, offsets_agree)
+        # the chains' units from each tile's largest magnitude: the prep kernel's, or one reduction
+        u_amax, dout_amax = ((pieces.u_amax, pieces.dout_amax) if pieces is not None
+                             else (tile_amax(u), tile_amax(do_chunks)))
+        unit_u, unit_u_c = _chain_units(grid, u_amax, h0, offsets_agree)
         h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, u, chunk_decay, segments,
                                               None if h0 is None else (h0 * unit_u).contiguous(),
                                               window_log_decay=guard, u_scale=unit_u_c.view(NC, Hv))
-        unit_d, unit_d_c = _chain_units(grid, do_chunks, dS_end, offsets_agree, per_chunk_scale=scale)
+        unit_d, unit_d_c = _chain_units(grid, dout_amax, dS_end, offsets_agree, per_chunk_scale=scale)
         dout_op = torch.empty(do_chunks.shape, dtype=op, device=v.device)   # scaled and rounded in one pass
         torch.mul(do_chunks, scale * unit_d_c, out=dout_op)
         dh_out, dVn, dS = chain_kernels.chain_gradients(
@@ -610,28 +643,34 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
     if cp is not None and cp.splits:
         most = cp.bound(total_rows, grid.num_seqs)
         if most > grid.num_seqs:
-            key_norms = (k_chunks * k_chunks).sum(-1).repeat_interleave(group, dim=1)   # [NC, Hv, C]
+            key_norms = torch.linalg.vector_norm(k_chunks, dim=-1, dtype=torch.float32).square()   # [NC, Hqk, C]
+            key_norms = key_norms.repeat_interleave(group, dim=1)                                 # [NC, Hv, C]
             return (chain_segments.split_sequences(grid.chunk_offsets, cp.segment_chunks, most, cp.warmup, cp.log_eps),
                     chain_segments.window_log_decay(gamma_last, bc, key_norms))
     return chain_segments.whole_sequences(grid.chunk_offsets), None
 
 
-def _chain_units(grid: ChunkGrid, per_chunk: torch.Tensor, per_sequence: torch.Tensor | None,
+def tile_amax(per_chunk: torch.Tensor) -> torch.Tensor:
+    """The largest |x| of each (chunk, v-head) tile of per_chunk [NC, Hv, ...], fp32 [NC, Hv] (exact:
+    the largest of a 16-bit tile's values is one of them), NaN where the tile holds a NaN: one
+    reduction, no |x| tensor. The prep kernel gives u's and dO's itself (PrepPieces)."""
+    return torch.linalg.vector_norm(per_chunk, float("inf"), dim=tuple(range(2, per_chunk.dim()))).float()
+
+
+def _chain_units(grid: ChunkGrid, chunk_amax: torch.Tensor, per_sequence: torch.Tensor | None,
                  valid: torch.Tensor | None = None, per_chunk_scale: float = 1.0):
     """Powers of two, one per (sequence, v-head), that take the largest magnitude of a chain's inputs
-    (per_chunk_scale times per_chunk [NC, Hv, ...], the sequence's chunks in any layout,
-    per_sequence [N, Hv, ...] or None) near 1
+    (per_chunk_scale times the chunks' tiles, whose largest magnitudes chunk_amax [NC, Hv] gives:
+    tile_amax, or the prep kernel's; per_sequence [N, Hv, ...] or None) near 1
     (into [1, 2), or just below 1 where fp32's log2 rounds up to a power of two); 1 where they are
     all zero. Returns them as [N, Hv, 1, 1] and per chunk [NC, Hv, 1, 1].
     Computed on the device, no host sync. A non-finite input is not scaled away: its sequence's
     results come out non-finite too; so are all results where `valid` (a device bool) is False."""
-    N, Hv = grid.num_seqs, per_chunk.shape[1]
-    # the largest |x| in one reduction (no |x| tensor); a NaN propagates as amax would
-    chunk_amax = torch.linalg.vector_norm(per_chunk, float("inf"), dim=tuple(range(2, per_chunk.dim())))  # [NC, Hv]
+    N, Hv = grid.num_seqs, chunk_amax.shape[1]
     if per_chunk_scale != 1.0:
         chunk_amax = chunk_amax * abs(per_chunk_scale)
     owner = grid.chunk_sequence[:, None].expand_as(chunk_amax)
-    amax = per_chunk.new_zeros(N, Hv).scatter_reduce_(0, owner, chunk_amax, "amax")
+    amax = chunk_amax.new_zeros(N, Hv).scatter_reduce_(0, owner, chunk_amax, "amax")
     if per_sequence is not None:
         amax = torch.maximum(amax, torch.linalg.vector_norm(per_sequence, float("inf"), dim=(-2, -1)))
     # the exponent is clamped so that the unit stays a finite fp32 (amax down to 2^-126)

@@ -25,6 +25,27 @@ logger = logging.getLogger("flashqla_tune")
 CHUNK = 64
 ELEMENT_TYPES = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# The inputs the prep and per-chunk kernels read in place, in the call's dtype: csrc/gdn_bwd_inputs.cuh's
+# InputDtype codes, and the elements of one of the 16-byte pieces they are read in.
+INPUT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def input_dtype_code(name: str, t: torch.Tensor) -> int:
+    """The InputDtype code of an input read in place: ValueError naming `name` for another dtype."""
+    try:
+        return INPUT_DTYPES[t.dtype]
+    except KeyError:
+        raise ValueError(f"{name}: the kernel reads float32, float16 or bfloat16 inputs, got {t.dtype}") from None
+
+
+def check_pieces(name: str, t: torch.Tensor) -> None:
+    """ValueError naming `name` unless a [chunks, H, 64, D] input read in place is whole 16-byte
+    pieces: contiguous columns, its other strides multiples of a piece and a 16-byte aligned start."""
+    piece = 16 // t.element_size()
+    if t.numel() and (t.stride(-1) != 1 or any(s % piece for s in t.stride()[:-1]) or t.data_ptr() % 16):
+        raise ValueError(f"{name}: the kernel reads its rows in 16-byte pieces: it needs contiguous columns, "
+                         f"strides of multiples of {piece} elements ({t.dtype}) and a 16-byte aligned start, "
+                         f"got strides {t.stride()} at {t.data_ptr():#x}")
 
 
 class BackwardKernelError(RuntimeError):
@@ -260,6 +281,6 @@ def check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, d
                          f"{device or 'a CUDA device'}, got {got}")
 
 
-__all__ = ["BackwardKernelError", "CHUNK", "ELEMENT_TYPES", "LibraryKind", "LibraryRenderer", "LibrarySpec",
-           "LibraryTable", "OpenedLibrary", "TORCH_DTYPES", "check_tensor", "ptr", "render_template", "spec_json",
-           "stream_handle"]
+__all__ = ["BackwardKernelError", "CHUNK", "ELEMENT_TYPES", "INPUT_DTYPES", "LibraryKind", "LibraryRenderer",
+           "LibrarySpec", "LibraryTable", "OpenedLibrary", "TORCH_DTYPES", "check_pieces", "check_tensor",
+           "input_dtype_code", "ptr", "render_template", "spec_json", "stream_handle"]

@@ -2,12 +2,14 @@
 
 One kernel launch computes, for every chunk and v-head, what chunked_torch batches in torch before
 its chains: the chain kernels' inputs w, Kd and D Q (in the chains' 16-bit operand dtype), u and
-scale P^T dO (fp32, in the tiles the chains read: chain_kernels.add_tiles) and e^{gamma_C}, and for
-the per-chunk gradients gamma, A = Gamma * A0 and A0 (fp32), all else in the padded chunk layout
-[chunks, Hv, 64, D]. It reads the chunk layout too: q and k [chunks, Hqk, 64, K] in the operand
-dtype (normalised by torch where the op normalises), v and dO [chunks, Hv, 64, V] fp32 (any chunk, head and row strides: to_chunks' views are taken as
-they are), g and beta [chunks, Hv, 64] fp32. The head counts are runtime values, so one library
-serves every head configuration of a (K, V).
+scale P^T dO (fp32, in the tiles the chains read: chain_kernels.add_tiles), e^{gamma_C} and each
+tile's largest |u| and |dO| (the chains' units are taken from them), and for the per-chunk
+gradients gamma, A = Gamma * A0 and A0 (fp32), all else in the padded chunk layout [chunks, Hv,
+64, D]. It reads the chunk layout too: q and k [chunks, Hqk, 64, K] in the operand dtype
+(normalised by torch where the op normalises), v and dO [chunks, Hv, 64, V] in the call's dtype,
+fp32, fp16 or bf16 (any chunk, head and row strides of whole 16-byte pieces: views of the call's
+token rows are read in place), g and beta [chunks, Hv, 64] fp32. The head counts are runtime
+values, so one library serves every head configuration of a (K, V).
 
 A library is built once per PrepSpec into the kernel cache beside the chain libraries (the same
 renderer protocol, key and checks: chain_kernels) and opened through ctypes; launches go on the
@@ -22,10 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryKind, LibrarySpec, LibraryTable,
-                             check_tensor, ptr, render_template, spec_json, stream_handle)
+                             check_pieces, check_tensor, input_dtype_code, ptr, render_template, spec_json,
+                             stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_prep.cu.j2"
-ABI_VERSION = 2      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
+ABI_VERSION = 3      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
 
 class PrepKernelError(BackwardKernelError):
     """The prep kernel cannot be built, loaded or launched here; the message says why."""
@@ -80,10 +83,10 @@ class PrepArgs(ctypes.Structure):
         ("dout_scale", ctypes.c_float), ("add_block_v", ctypes.c_int32),
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("g", ctypes.c_void_p), ("beta", ctypes.c_void_p),
         ("v", ctypes.c_void_p), ("dout", ctypes.c_void_p),
-        ("v_stride", ctypes.c_int64 * 3), ("dout_stride", ctypes.c_int64 * 3),
+        ("v_stride", ctypes.c_int64 * 3), ("dout_stride", ctypes.c_int64 * 3), ("vd_dtype", ctypes.c_int32),
         ("w", ctypes.c_void_p), ("kd", ctypes.c_void_p), ("qd", ctypes.c_void_p), ("u", ctypes.c_void_p),
         ("ptdo", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("gamma", ctypes.c_void_p),
-        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p),
+        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p), ("u_amax", ctypes.c_void_p), ("dout_amax", ctypes.c_void_p),
     ]
 
 
@@ -106,16 +109,18 @@ class PrepPieces:
     gamma: torch.Tensor   # fp32 [., 64]
     a: torch.Tensor | None   # fp32 [., 64, 64]: Gamma * A0
     a0: torch.Tensor | None  # fp32 [., 64, 64]: A0
+    u_amax: torch.Tensor     # fp32 [chunks, Hv]: each tile's largest |u| (NaN where u holds a NaN)
+    dout_amax: torch.Tensor  # fp32 [chunks, Hv]: each tile's largest |dO|, the scale not applied
 
 
-def _check_rows(name: str, t: torch.Tensor, shape: tuple, device) -> None:
-    """fp32 [chunks, H, 64, D] on `device`, last dim contiguous, every stride and the address
-    16-byte multiples (the kernel loads float4 pieces)."""
-    if (tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or t.device != device or t.stride(-1) != 1
-            or any(s % 4 for s in t.stride()[:3]) or t.data_ptr() % 16):
-        raise ValueError(f"{name}: expected a float32 tensor of shape {tuple(shape)} on {device} with a contiguous "
-                         f"last dim and strides and address of whole 16 bytes, got {t.dtype} {tuple(t.shape)} "
-                         f"strides {t.stride()} on {t.device}")
+def _check_rows(name: str, t: torch.Tensor, shape: tuple, device, dtype: torch.dtype | None = None) -> None:
+    """[chunks, H, 64, D] on `device` of `dtype` (None: fp32, fp16 or bf16), read in 16-byte pieces
+    (kernel_library.check_pieces)."""
+    if tuple(t.shape) != tuple(shape) or t.device != device or (dtype is not None and t.dtype != dtype):
+        raise ValueError(f"{name}: expected a tensor of shape {tuple(shape)}{'' if dtype is None else f' of {dtype}'} "
+                         f"on {device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    input_dtype_code(name, t)
+    check_pieces(name, t)
 
 
 def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, gate_free_inverse=True,
@@ -123,7 +128,8 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
     """The state-independent pieces of the backward, one launch on the device's current stream.
 
     q, k [chunks, Hqk, 64, K] contiguous in the operand dtype (PrepSpec.torch_dtype); v and dout
-    (dO) fp32 [chunks, Hv, 64, V], last dim contiguous; g, beta fp32 [chunks, Hv, 64] contiguous;
+    (dO) [chunks, Hv, 64, V] of one dtype, fp32, fp16 or bf16, read in place in 16-byte pieces (last
+    dim contiguous; views of the call's token rows qualify); g, beta fp32 [chunks, Hv, 64] contiguous;
     all in the padded chunk layout (pad rows zero). dout_scale: the op's scale, folded into ptdo. gated_inverse / gate_free_inverse:
     whether A and A0 are written. out: a PrepPieces of the caller's buffers (tests pass NaN-filled
     ones to see that every element is written)."""
@@ -139,7 +145,7 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
     check_tensor("q", q, (NC, Hqk, C, K), op)
     check_tensor("k", k, (NC, Hqk, C, K), op, dev)
     _check_rows("v", v, (NC, Hv, C, V), dev)
-    _check_rows("dout", dout, (NC, Hv, C, V), dev)
+    _check_rows("dout", dout, (NC, Hv, C, V), dev, v.dtype)
     check_tensor("g", g, (NC, Hv, C), torch.float32, dev)
     check_tensor("beta", beta, (NC, Hv, C), torch.float32, dev)
     if NC * max(Hqk, Hv) * CHUNK >= 2 ** 31:
@@ -150,7 +156,8 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
         raise ValueError(f"dout_scale={dout_scale} must be finite")
     shapes = dict(w=(NC, Hv, C, K), kd=(NC, Hv, C, K), qd=(NC, Hv, C, K), u=(NC, Hv, V // bv, C, bv),
                   ptdo=(NC, Hv, V // bv, C, bv),
-                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C))
+                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C), u_amax=(NC, Hv),
+                  dout_amax=(NC, Hv))
     dtypes = dict(w=op, kd=op, qd=op)
     wanted = dict(a=gated_inverse, a0=gate_free_inverse)
     if out is None:
@@ -166,7 +173,7 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
     args = PrepArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, dout_scale=float(dout_scale), add_block_v=bv,
                     q=ptr(q), k=ptr(k), g=ptr(g), beta=ptr(beta),
                     v=ptr(v), dout=ptr(dout), v_stride=(ctypes.c_int64 * 3)(*v.stride()[:3]),
-                    dout_stride=(ctypes.c_int64 * 3)(*dout.stride()[:3]),
+                    dout_stride=(ctypes.c_int64 * 3)(*dout.stride()[:3]), vd_dtype=input_dtype_code("v", v),
                     **{n: ptr(getattr(out, n) if wanted.get(n, True) else None) for n in shapes})
     lib = LIBRARIES.get(spec)
     with torch.cuda.device(dev):
