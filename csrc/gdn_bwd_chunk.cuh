@@ -1,8 +1,9 @@
 // Step 3 of the GDN backward on Hopper: the per-chunk gradients, once the chains
 // (gdn_bwd_chain.cuh) have given every chunk's incoming state S_c and outgoing state gradient
-// dS_{c+1}. One CTA per (chunk, v-head), no loop over chunks, of one or two warp groups
-// (ChunkGradConfig::Groups): two split the columns of every GEMM's output between them, so each
-// SM scheduler has two warps to switch between and the two halves' GEMMs and epilogues overlap.
+// dS_{c+1}. A CTA computes one (chunk, v-head) tile at a time, no loop over a sequence's chunks:
+// one CTA per tile, or one per SM walking the tiles (ChunkGradConfig::Walk). It is one or two warp
+// groups (ChunkGradConfig::Groups): two split the columns of every GEMM's output between them, so
+// each SM scheduler has two warps to switch between and the two halves' GEMMs and epilogues overlap.
 //
 // Per chunk of 64 tokens and v-head (docs/backward.md "What the backward computes"; the torch code
 // of flashqla_tune/backward/chunked_torch.py step 3, per_chunk_gradients, is the specification),
@@ -298,21 +299,6 @@ __device__ __forceinline__ void prefetch_rows_l2(const In* g, int64_t row_stride
   }
 }
 
-// An [R, C] tile of In from global memory (rows `row_stride` elements apart, 16-byte pieces: the
-// host checks strides and base) into its 16-bit shared tile, times `scale`.
-template <int R, int C, int Threads, class In, class STile>
-__device__ __forceinline__ void stage_scaled(STile s, const In* g, int64_t row_stride, float scale) {
-  constexpr int N = kPieceElems<In>, kPerThread = R * C / N / Threads;
-  static_assert(kPerThread * N * Threads == R * C, "a tile is whole 16-byte pieces of the threads");
-#pragma unroll 8
-  for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + Threads * j, r = idx / (C / N), c = idx % (C / N) * N;
-    float x[N];
-    load_piece(g + r * row_stride + c, x);
-    store_scaled_piece<typename STile::value_type>(&s(r, c), x, scale);
-  }
-}
-
 // Elements (r, c..c+7) of a 16-bit tile (c % 8 == 0: one whole 16-byte swizzle unit) from eight
 // 16-bit values as they are.
 template <class STile>
@@ -344,30 +330,6 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
   CUTE_UNROLL
   for (int i = 0; i < 8; ++i) sum += float(x[i]) * float(y[i]);
   return sum;
-}
-
-// stage_scaled for a tile that brings its own scale: returns it (unit_scale of the tile's largest
-// |x|). The tile stays in registers between the two passes (R * C / Threads fp32 a thread).
-template <int R, int C, int Threads, class In, class STile>
-__device__ __forceinline__ float stage_normalised(STile s, const In* g, int64_t row_stride, float* scratch) {
-  constexpr int N = kPieceElems<In>, kPerThread = R * C / N / Threads;
-  static_assert(kPerThread * N * Threads == R * C, "a tile is whole 16-byte pieces of the threads");
-  float x[kPerThread][N];
-  float amax = 0.f;
-  CUTE_UNROLL
-  for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + Threads * j;
-    load_piece(g + (idx / (C / N)) * row_stride + idx % (C / N) * N, x[j]);
-    CUTE_UNROLL
-    for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x[j][i]));
-  }
-  const float scale = unit_scale(cta_reduce<true, Threads / 32>(amax, scratch));
-  CUTE_UNROLL
-  for (int j = 0; j < kPerThread; ++j) {
-    const int idx = threadIdx.x + Threads * j;
-    store_scaled_piece<typename STile::value_type>(&s(idx / (C / N), idx % (C / N) * N), x[j], scale);
-  }
-  return scale;
 }
 
 // ---------------------------------------------------------------- accumulator helpers
@@ -568,25 +530,76 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
   Tensor sDWtB = tile_of(ss.dw.data() + col_block<C>(group, NK), typename Cfg::template TileTRows<C, K, NK>{});
   Tensor sDVntB = tile_of(ss.dvn.data() + col_block<C>(group, NV), typename Cfg::template TileTRows<C, V, NV>{});
 
-  // ---- gates, beta and the per-column sums
-  if (tid < C) {
-    ss.gamma[tid] = p.gamma[p.gamma_strides.at(chunk, hv) + tid * p.gamma_strides.row];
-    CUTE_UNROLL
-    for (int w = 0; w < W; ++w) ss.col_gamma[w][tid] = ss.col_beta[w][tid] = 0.f;
-  } else if (tid < 2 * C) {
-    ss.beta[tid - C] = p.beta[p.beta_strides.at(chunk, hv) + (tid - C) * p.beta_strides.row];
-  }
-  __syncthreads();
   const float* gam = ss.gamma;
   const float* bet = ss.beta;
-  const float gamma_last = gam[C - 1];
   // Gamma_ij = e^{gamma_i - gamma_j} for i >= j, else 0
   auto decay = [&](int i, int j) { return i >= j ? __expf(gam[i] - gam[j]) : 0.f; };
-
-  // ---- the operand tiles
   const float unit_u = p.unit_u[tile], unit_d = p.unit_d[tile];
   const float inv_du = 1.f / (unit_u * unit_d);  // accumulators of d x u products -> true values
-  float s_a0;                                     // A0's own scale
+  float s_a0, s_q, s_k, s_v;                      // A0's, q's, k's and v's own tile scales
+  with_input_type(p.qk_dtype, [&](auto qk_in) {
+    with_input_type(p.vd_dtype, [&](auto vd_in) {
+      using QkIn = decltype(qk_in);
+      using VdIn = decltype(vd_in);
+      // q, k, v and dO are read as raw 16-byte pieces (TilePieces), as many tiles at once as fit
+      // kRawRegs registers a thread (32 per warp group), the first group before the gates load:
+      // their DRAM reads are in flight together and beside the gates' (at two warp groups and
+      // 16-bit inputs, all four tiles at once)
+      TilePieces<C, K, T, QkIn> tq, tk;
+      TilePieces<C, V, T, VdIn> tv, tdo;
+      constexpr int kRawRegs = 32 * Cfg::Groups, kQk = 4 * decltype(tq)::kPieces, kVd = 4 * decltype(tv)::kPieces;
+      constexpr int kGroup = 2 * (kQk + kVd) <= kRawRegs ? 4 : (2 * kQk <= kRawRegs && 2 * kVd <= kRawRegs ? 2 : 1);
+      auto load = [&](int i) {  // tile i of q, k, v, dO
+        if (i == 0) tq.load(static_cast<const QkIn*>(p.q) + p.q_strides.at(chunk, hq), p.q_strides.row);
+        if (i == 1) tk.load(static_cast<const QkIn*>(p.k) + p.k_strides.at(chunk, hq), p.k_strides.row);
+        if (i == 2) tv.load(static_cast<const VdIn*>(p.v) + p.v_strides.at(chunk, hv), p.v_strides.row);
+        if (i == 3) tdo.load(static_cast<const VdIn*>(p.dout) + p.dout_strides.at(chunk, hv), p.dout_strides.row);
+      };
+      // q, k and v each scaled by a power of two of their own, dO by unit_d and the op's scale
+      auto store = [&](int i) {
+        if (i == 0) {
+          s_q = unit_scale(cta_reduce<true, W>(tq.amax(), ss.reduce));
+          tq.for_each([&](int r, int c, const auto& x) { store_scaled_piece<Elem>(&sQ(r, c), x, s_q); });
+        }
+        if (i == 1) {
+          s_k = unit_scale(cta_reduce<true, W>(tk.amax(), ss.reduce));
+          tk.for_each([&](int r, int c, const auto& x) { store_scaled_piece<Elem>(&sK(r, c), x, s_k); });
+        }
+        if (i == 2) {
+          s_v = unit_scale(cta_reduce<true, W>(tv.amax(), ss.reduce));
+          tv.for_each([&](int r, int c, const auto& x) { store_scaled_piece<Elem>(&sV(r, c), x, s_v); });
+        }
+        if (i == 3) {
+          const float s_do = unit_d * p.dout_scale;
+          tdo.for_each([&](int r, int c, const auto& x) { store_scaled_piece<Elem>(&sDO(r, c), x, s_do); });
+        }
+      };
+      CUTE_UNROLL
+      for (int i = 0; i < kGroup; ++i) load(i);
+
+      // ---- gates, beta and the per-column sums
+      if (tid < C) {
+        ss.gamma[tid] = p.gamma[p.gamma_strides.at(chunk, hv) + tid * p.gamma_strides.row];
+        CUTE_UNROLL
+        for (int w = 0; w < W; ++w) ss.col_gamma[w][tid] = ss.col_beta[w][tid] = 0.f;
+      } else if (tid < 2 * C) {
+        ss.beta[tid - C] = p.beta[p.beta_strides.at(chunk, hv) + (tid - C) * p.beta_strides.row];
+      }
+      __syncthreads();
+
+      // ---- the operand tiles: q, k, v and dO group by group; then (below) A0, its tile already
+      // asked of L2 (prefetch_tile)
+      CUTE_UNROLL
+      for (int first = 0; first < 4; first += kGroup) {
+        if (first > 0) {
+          CUTE_UNROLL
+          for (int i = first; i < first + kGroup; ++i) load(i);
+        }
+        CUTE_UNROLL
+        for (int i = first; i < first + kGroup; ++i) store(i);
+      }
+    });
+  });
   {
     // A0, T = Gamma A0 diag(b) and T diag(d), all scaled by s_a0
     constexpr int kPerThread = C * C / 4 / T;
@@ -612,21 +625,7 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
              s_a0);
     }
   }
-  float s_q, s_k, s_v;  // the q, k and v tiles' own scales
-  with_input_type(p.qk_dtype, [&](auto in) {
-    using In = decltype(in);
-    s_q = stage_normalised<C, K, T>(sQ, static_cast<const In*>(p.q) + p.q_strides.at(chunk, hq), p.q_strides.row,
-                                    ss.reduce);
-    s_k = stage_normalised<C, K, T>(sK, static_cast<const In*>(p.k) + p.k_strides.at(chunk, hq), p.k_strides.row,
-                                    ss.reduce);
-  });
-  with_input_type(p.vd_dtype, [&](auto in) {
-    using In = decltype(in);
-    s_v = stage_normalised<C, V, T>(sV, static_cast<const In*>(p.v) + p.v_strides.at(chunk, hv), p.v_strides.row,
-                                    ss.reduce);
-    stage_scaled<C, V, T>(sDO, static_cast<const In*>(p.dout) + p.dout_strides.at(chunk, hv), p.dout_strides.row,
-                          unit_d * p.dout_scale);
-  });
+  const float gamma_last = gam[C - 1];
   stage_copy<C, V, T>(sVn, p.vn + tile * C * V);
   stage_copy<C, V, T>(sDVn, p.dvn + tile * C * V);
   {

@@ -38,15 +38,57 @@ __device__ __forceinline__ void with_input_type(int32_t code, F&& f) {
 template <class In>
 inline constexpr int kPieceElems = 16 / int(sizeof(In));
 
-// The 16-byte piece at g (16-byte aligned) as fp32 values.
+// A 16-byte piece of In as fp32 values.
 template <class In>
-__device__ __forceinline__ void load_piece(const In* g, float (&x)[kPieceElems<In>]) {
-  const uint4 word = __ldg(reinterpret_cast<const uint4*>(g));
+__device__ __forceinline__ void widen(const uint4& word, float (&x)[kPieceElems<In>]) {
   In e[kPieceElems<In>];
   memcpy(e, &word, sizeof(word));
   #pragma unroll
   for (int i = 0; i < kPieceElems<In>; ++i) x[i] = float(e[i]);
 }
+
+// This thread's share of an [R, C] tile of In (rows `row_stride` elements apart, 16-byte pieces:
+// the host checks strides and base), as the raw 16-byte pieces: load() issues every read at once
+// and nothing waits for them until a piece is used, so a tile's (and several tiles') DRAM reads
+// are in flight together; the raw pieces take half the registers of the fp32 values of a 16-bit
+// tile. Piece j is element (row(j), col(j)) .. + N - 1.
+template <int R, int C, int Threads, class In>
+struct TilePieces {
+  static constexpr int N = kPieceElems<In>, kPieces = R * C / N / Threads;
+  static_assert(kPieces * N * Threads == R * C, "a tile is whole 16-byte pieces of the threads");
+  uint4 raw[kPieces];
+
+  __device__ __forceinline__ static int row(int j) { return (int(threadIdx.x) + Threads * j) / (C / N); }
+  __device__ __forceinline__ static int col(int j) { return (int(threadIdx.x) + Threads * j) % (C / N) * N; }
+
+  __device__ __forceinline__ void load(const In* g, int64_t row_stride) {
+    #pragma unroll
+    for (int j = 0; j < kPieces; ++j) raw[j] = __ldg(reinterpret_cast<const uint4*>(g + row(j) * row_stride + col(j)));
+  }
+  // The largest |x| of this thread's pieces (fmaxf: a NaN is not seen here, it flows on in the
+  // values themselves).
+  __device__ __forceinline__ float amax() const {
+    float m = 0.f;
+    #pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      float x[N];
+      widen<In>(raw[j], x);
+      #pragma unroll
+      for (int i = 0; i < N; ++i) m = fmaxf(m, fabsf(x[i]));
+    }
+    return m;
+  }
+  // f(row, col, x) for each piece, x its N fp32 values.
+  template <class F>
+  __device__ __forceinline__ void for_each(F&& f) const {
+    #pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      float x[N];
+      widen<In>(raw[j], x);
+      f(row(j), col(j), x);
+    }
+  }
+};
 
 // n fp32 values times `scale` as n / 2 packed pairs of Elem, written as one 8-byte (n = 4) or
 // 16-byte (n = 8) store to dst (aligned to it).

@@ -144,8 +144,9 @@ struct BwdPrepParams {
   float* gamma;                 // [chunks, Hv, 64]
   float* a;                     // [chunks, Hv, 64, 64] Gamma * A0; null: not written
   float* a0;                    // [chunks, Hv, 64, 64] A0; null: not written
-  float* u_amax;                // [chunks, Hv] the largest |u| of the tile; null: not written
-  float* dout_amax;             // [chunks, Hv] the largest |dO| of the tile (without dout_scale); null: not written
+  // the largest |dO| (without dout_scale) of the tile, [chunks, Hv] (cta_amax: a NaN is not seen,
+  // it is in the tile itself); null: not written
+  float* dout_amax;
   int64_t num_chunks;
   float dout_scale;             // the op's scale, folded into P^T dO
   int32_t num_heads;            // Hv
@@ -165,19 +166,16 @@ __device__ __forceinline__ Pow2Unit pow2_unit(float amax) {
   return Pow2Unit{__uint_as_float((254u - e) << 23), __uint_as_float(e << 23)};
 }
 
-// The larger of a and b, NaN where either is (fmaxf would drop a NaN): a tile's largest magnitude
-// that says when the tile holds a NaN.
-__device__ __forceinline__ float max_or_nan(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
-
-// The CTA's largest value of each m[n] (non-negative, or NaN: max_or_nan), returned to every
-// thread; writes ss.amax, so the caller must not call it again before another barrier has passed.
+// The CTA's largest value of each m[n] (non-negative; fmaxf, so a NaN is not seen: it flows on in
+// the values themselves), returned to every thread; writes ss.amax, so the caller must not call
+// it again before another barrier has passed.
 template <class Cfg, int N>
 __device__ __forceinline__ void cta_amax(typename Cfg::SharedStorage& ss, float (&m)[N], int first, int tid) {
   const int warp = tid / 32, lane = tid % 32;
   CUTE_UNROLL
   for (int n = 0; n < N; ++n) {
     CUTE_UNROLL
-    for (int o = 16; o > 0; o >>= 1) m[n] = max_or_nan(m[n], __shfl_xor_sync(0xffffffffu, m[n], o));
+    for (int o = 16; o > 0; o >>= 1) m[n] = fmaxf(m[n], __shfl_xor_sync(0xffffffffu, m[n], o));
     if (lane == 0) ss.amax[warp][first + n] = m[n];
   }
   __syncthreads();
@@ -185,43 +183,23 @@ __device__ __forceinline__ void cta_amax(typename Cfg::SharedStorage& ss, float 
   for (int n = 0; n < N; ++n) {
     m[n] = ss.amax[0][first + n];
     CUTE_UNROLL
-    for (int w = 1; w < Cfg::Warps; ++w) m[n] = max_or_nan(m[n], ss.amax[w][first + n]);
+    for (int w = 1; w < Cfg::Warps; ++w) m[n] = fmaxf(m[n], ss.amax[w][first + n]);
   }
 }
 
 // Step A: V and dO of the item, rows of In from global memory, into their (v, t) operand tiles,
-// each scaled by its own power of two. By all 128 threads, both tiles' loads in flight at once: a
-// thread holds 1/128 of each tile's 16-byte pieces, loaded coalesced (a row's pieces by
-// consecutive threads).
+// each scaled by its own power of two. By all 128 threads, both tiles' reads in flight at once
+// (TilePieces: a thread holds 1/128 of each tile's 16-byte pieces, loaded coalesced, a row's
+// pieces by consecutive threads).
 template <class Cfg, class In>
 __device__ __forceinline__ void load_value_tiles(const BwdPrepParams<Cfg>& p, typename Cfg::SharedStorage& ss,
                                                  int64_t item, int64_t chunk, int hv, int tid) {
   using Elem = typename Cfg::Elem;
-  constexpr int N = kPieceElems<In>;
-  constexpr int kPieces = kChunk * Cfg::HeadV / N / Cfg::Threads;
-  constexpr int kRowPieces = Cfg::HeadV / N;
-  const In* src[2] = {static_cast<const In*>(p.v) + chunk * p.v_stride[0] + hv * p.v_stride[1],
-                      static_cast<const In*>(p.dout) + chunk * p.dout_stride[0] + hv * p.dout_stride[1]};
-  const int64_t row_stride[2] = {p.v_stride[2], p.dout_stride[2]};
+  TilePieces<kChunk, Cfg::HeadV, Cfg::Threads, In> tiles[2];
+  tiles[0].load(static_cast<const In*>(p.v) + chunk * p.v_stride[0] + hv * p.v_stride[1], p.v_stride[2]);
+  tiles[1].load(static_cast<const In*>(p.dout) + chunk * p.dout_stride[0] + hv * p.dout_stride[1], p.dout_stride[2]);
   Elem* dst_tile[2] = {ss.tiles.v.data(), ss.tiles.dout.data()};
-  float x[2][kPieces][N];
-  float m[2] = {0.f, 0.f};
-  CUTE_UNROLL
-  for (int s = 0; s < 2; ++s) {
-    CUTE_UNROLL
-    for (int n = 0; n < kPieces; ++n) {
-      const int piece = tid + n * Cfg::Threads, t = piece / kRowPieces, c = N * (piece % kRowPieces);
-      load_piece(src[s] + t * row_stride[s] + c, x[s][n]);
-    }
-  }
-  CUTE_UNROLL
-  for (int s = 0; s < 2; ++s) {
-    CUTE_UNROLL
-    for (int n = 0; n < kPieces; ++n) {
-      CUTE_UNROLL
-      for (int i = 0; i < N; ++i) m[s] = max_or_nan(m[s], fabsf(x[s][n][i]));
-    }
-  }
+  float m[2] = {tiles[0].amax(), tiles[1].amax()};
   cta_amax<Cfg>(ss, m, kUnitV, tid);
   if (tid == 0 && p.dout_amax) p.dout_amax[item] = m[1];   // the chains' unit for dO is taken from it
   CUTE_UNROLL
@@ -229,12 +207,8 @@ __device__ __forceinline__ void load_value_tiles(const BwdPrepParams<Cfg>& p, ty
     const Pow2Unit unit = pow2_unit(m[s]);
     if (tid == 0) ss.inverse[kUnitV + s] = unit.inverse;
     Tensor sT = make_tensor(make_smem_ptr(dst_tile[s]), typename Cfg::LayoutVT{});
-    CUTE_UNROLL
-    for (int n = 0; n < kPieces; ++n) {
-      const int piece = tid + n * Cfg::Threads, t = piece / kRowPieces, c = N * (piece % kRowPieces);
-      // N consecutive v of one t (c % N == 0): inside one 16-byte piece of the swizzled tile
-      store_scaled_piece<Elem>(&sT(c, t), x[s][n], unit.unit);
-    }
+    // N consecutive v of one t (c % N == 0): inside one 16-byte piece of the swizzled tile
+    tiles[s].for_each([&](int t, int c, const auto& x) { store_scaled_piece<Elem>(&sT(c, t), x, unit.unit); });
   }
 }
 
@@ -297,9 +271,9 @@ __device__ __forceinline__ void build_operand_tiles(const BwdPrepParams<Cfg>& p,
       tm[r] = ai * bc;
       xb[r] = xi * bc;
       pv[r] = mask * qk[qk_offset<Cfg::Prep::QkInQ>(i, c)];
-      m[0] = max_or_nan(m[0], fabsf(tm[r]));
-      m[1] = max_or_nan(m[1], fabsf(xb[r]));
-      m[2] = max_or_nan(m[2], fabsf(pv[r]));
+      m[0] = fmaxf(m[0], fabsf(tm[r]));
+      m[1] = fmaxf(m[1], fabsf(xb[r]));
+      m[2] = fmaxf(m[2], fabsf(pv[r]));
     }, part);
   };
   if (half == 0) column(0);
@@ -370,10 +344,10 @@ __device__ __forceinline__ void gemm_and_store(const SA& sA, const SB& sB, int t
 
 // Step D: u = (A diag(b)) V, P^T dO and w = diag(d) (X diag(b)) K on wgmma from the operand
 // tiles, one accumulator tile at a time (64 x 128 fp32 is 64 registers per thread), each scaled
-// back by its operands' inverses when stored; and u's largest magnitude, the chains' unit for u.
+// back by its operands' inverses when stored.
 template <class Cfg>
 __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typename Cfg::SharedStorage& ss,
-                                              int64_t item, int64_t vrow0, int tid) {
+                                              int64_t vrow0, int tid) {
   constexpr int K = Cfg::HeadK, V = Cfg::HeadV;
   Tensor sTm = make_tensor(make_smem_ptr(ss.tiles.tm.data()), typename Cfg::LayoutA{});
   Tensor sXb = make_tensor(make_smem_ptr(ss.tiles.xb.data()), typename Cfg::LayoutA{});
@@ -384,17 +358,9 @@ __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typen
   const float inv_u = ss.inverse[kUnitTm] * ss.inverse[kUnitV];
   const float inv_p = ss.inverse[kUnitP] * ss.inverse[kUnitDo] * p.dout_scale;
   const float inv_w = ss.inverse[kUnitXb];
-  float u_max[1] = {0.f};
   gemm_and_store<typename Cfg::MmaU, V>(sTm, sV, tid, [&](const auto& acc, const auto& crd) {
     store_column_tiles<Cfg::AddBlockV>(p.u + vrow0 * V, acc, crd, inv_u);
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc); ++e) u_max[0] = max_or_nan(u_max[0], fabsf(inv_u * acc(e)));
   });
-  if (p.u_amax) {
-    // slot kUnitV: its last readers passed the barriers of steps A to C
-    cta_amax<Cfg>(ss, u_max, kUnitV, tid);
-    if (tid == 0) p.u_amax[item] = u_max[0];
-  }
   gemm_and_store<typename Cfg::MmaP, V>(sPt, sDo, tid, [&](const auto& acc, const auto& crd) {
     store_column_tiles<Cfg::AddBlockV>(p.ptdo + vrow0 * V, acc, crd, inv_p);
   });
@@ -470,7 +436,7 @@ __global__ void __launch_bounds__(Cfg::Threads, Cfg::CtasPerSm)
   __syncthreads();
 
   // D. u, P^T dO and w.
-  operand_gemms<Cfg>(p, ss, item, vrow0, tid);
+  operand_gemms<Cfg>(p, ss, vrow0, tid);
 }
 
 }  // namespace fqt

@@ -43,7 +43,6 @@ typedef struct FqtBwdPrepArgs {
   float* gamma;               // fp32 [chunks, Hv, 64]
   float* a;                   // fp32 [chunks, Hv, 64, 64]: Gamma * A0; null: not written
   float* a0;                  // fp32 [chunks, Hv, 64, 64]: A0; null: not written
-  float* u_amax;              // fp32 [chunks, Hv]: the largest |u| of each tile; null: not written
   float* dout_amax;           // fp32 [chunks, Hv]: the largest |dout| of each tile; null: not written
 } FqtBwdPrepArgs;
 }
@@ -99,7 +98,6 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   p.gamma = a->gamma;
   p.a = a->a;
   p.a0 = a->a0;
-  p.u_amax = a->u_amax;
   p.dout_amax = a->dout_amax;
   p.num_chunks = a->num_chunks;
   p.dout_scale = a->dout_scale;

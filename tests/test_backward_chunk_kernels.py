@@ -20,7 +20,7 @@ from flashqla_tune.package_data import csrc_dir
 
 from toolchain import needs_nvcc
 
-SPEC = ChunkSpec()  # what the backward uses at K = V = 128
+SPEC = ChunkSpec(walk=True)  # what the backward uses at K = V = 128
 
 
 LAYOUT_CHECK = r"""

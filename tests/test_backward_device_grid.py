@@ -296,12 +296,14 @@ def test_the_sync_free_backward_gives_the_loops_gradients(name, chains_double, m
         assert rel_l2(a.double(), b.double()) < 3e-3, (name, n, rel_l2(a.double(), b.double()))
 
 
-@pytest.mark.parametrize("state_v_first", [False, True])
-def test_sequences_the_host_knows_give_the_loops_gradients_without_a_device_grid(state_v_first, chains_double,
+@pytest.mark.parametrize("state_v_first, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
+                                                  (False, torch.float16)])
+def test_sequences_the_host_knows_give_the_loops_gradients_without_a_device_grid(state_v_first, dtype, chains_double,
                                                                                  monkeypatch):
     """Batch rows of whole chunks, as the forward's host hands them on (sequence_tokens): the identity
-    grid, no device grid built, the loops' gradients."""
-    inputs, do, dht = draw(13, batch=3, T=128, hqk=1, hv=2, K=128, V=128, state_v_first=state_v_first)
+    grid, no device grid built, the loops' gradients; the call's rows reach the kernels in place
+    (in fp16, q and k still get the prep's contiguous copy)."""
+    inputs, do, dht = draw(13, batch=3, T=128, hqk=1, hv=2, K=128, V=128, state_v_first=state_v_first, dtype=dtype)
     args = dict(**inputs, do=do, dht=dht)
     monkeypatch.setattr(chunked_torch, "device_chunk_grid", lambda *a: pytest.fail("the device grid was built"))
     got = chunk_gated_delta_rule_bwd_torch(**args, sequence_tokens=128)
@@ -312,6 +314,21 @@ def test_sequences_the_host_knows_give_the_loops_gradients_without_a_device_grid
         assert read[name].dtype == t.dtype and read[name].data_ptr() == t.data_ptr(), name
     monkeypatch.undo()
     want = chunk_gated_delta_rule_bwd_torch(**args, sequential="torch")
+    for n in NAMES:
+        a, b = getattr(got, n), getattr(want, n)
+        assert rel_l2(a.double(), b.double()) < 3e-3, (n, rel_l2(a.double(), b.double()))
+
+
+def test_inputs_of_mixed_dtypes_reach_the_kernels_in_fp32(chains_double, monkeypatch):
+    """A direct call whose dO is not v's dtype (the op's calls never are): the kernels cannot read
+    the pair as one dtype, so the backward converts them all, as before, and gives the loops'
+    gradients."""
+    inputs, do, dht = draw(19, batch=2, T=128, hqk=1, hv=2, K=128, V=128)
+    got = chunk_gated_delta_rule_bwd_torch(**inputs, do=do.float(), dht=dht, sequence_tokens=128)
+    read = chains_double.inputs[0]
+    assert all(read[name].dtype == torch.float32 for name in ("q", "v", "dout"))
+    monkeypatch.undo()
+    want = chunk_gated_delta_rule_bwd_torch(**inputs, do=do.float(), dht=dht, sequential="torch")
     for n in NAMES:
         a, b = getattr(got, n), getattr(want, n)
         assert rel_l2(a.double(), b.double()) < 3e-3, (n, rel_l2(a.double(), b.double()))

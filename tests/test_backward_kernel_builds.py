@@ -43,7 +43,7 @@ LIBRARIES = {
     # k-steps of 16 at K = V = 128: over k or v (8 steps) dO Vn^T, Q K^T, K K^T, dO S^T, dVn S^T,
     # Vn dS'^T, dw K^T, dVn V^T; over the chunk's 64 tokens (4 steps) dQK K, T^T dVn, (T diag(d))^T dw,
     # A0^T X, (A0^T X) A0^T, dLb K, dLb^T K, dQK^T Q
-    "chunk": Library(chunk_kernels, chunk_kernels.ChunkSpec(), chunk_kernels.ChunkSpec(operand_dtype="bfloat16"),
+    "chunk": Library(chunk_kernels, chunk_kernels.ChunkSpec(walk=True), chunk_kernels.ChunkSpec(operand_dtype="bfloat16"),
                      {"gdn_bwd_chunk_kernel": 8 * 8 + 8 * 4}),
 }
 KINDS = list(LIBRARIES)

@@ -92,6 +92,9 @@ def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=Tr
 
     from flashqla_tune.oracle.chunked import decay_mask, gate_free_inverse as inverse
 
+    spec = prep_kernels.spec_for(q.shape[-1], v.shape[-1])
+    for name, t in (("q", q), ("k", k)):   # what the kernel's TMA reads (check_tensor on the GPU)
+        assert t.dtype == spec.torch_dtype and t.is_contiguous(), f"{name}: {t.dtype} strides {t.stride()}"
     group = v.shape[1] // q.shape[1]
     v, dout = v.float(), dout.float()   # the call's dtype, as the kernel reads them
     qc, kc = (x.float().repeat_interleave(group, dim=1) for x in (q, k))
@@ -109,7 +112,7 @@ def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=Tr
         w=(Tm @ (d * kc)).to(op), kd=(f * kc).to(op), qd=(d * qc).to(op), u=chain_kernels.add_tiles(Tm @ v, bv),
         ptdo=chain_kernels.add_tiles(dout_scale * P.transpose(-1, -2) @ dout, bv),
         decay=last.exp(), gamma=gamma, a=A if gated_inverse else None, a0=A0 if gate_free_inverse else None,
-        u_amax=chunked_torch.tile_amax(Tm @ v), dout_amax=chunked_torch.tile_amax(dout))
+        dout_amax=chunked_torch.tile_amax(dout))
 
 
 @pytest.mark.parametrize("name", ["varlen_tails_gva", "batched_vk_l2norm"])

@@ -163,23 +163,36 @@ def test_repeated_and_shared_qk_heads_agree(variant):
         assert torch.equal(a, c), what
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("which", ["qk", "vd", "both"])
-def test_16_bit_inputs_give_the_bits_of_their_fp32_copies(which, dtype):
+def test_16_bit_inputs_give_the_bits_of_their_fp32_copies(which, dtype, variant):
     """q, k (which "qk") and v, dO ("vd") read in the call's 16-bit dtype, in place through the
     chunk views' strides: the same bits as the kernel gives on fp32 copies of the same values (the
     kernel widens them exactly, then scales and rounds as it does fp32 inputs)."""
-    _, inputs = per_chunk_case(21, [300, 64, 129], 2, 8, "mixed", True, True, 1.0, "unit")
+    _, inputs = per_chunk_case(21, [3000, 64, 129], 2, 8, "mixed", True, True, 1.0, "unit")  # 400 tiles
     narrow = list(inputs)
     for i in {"qk": (0, 1), "vd": (2, 3), "both": (0, 1, 2, 3)}[which]:
         narrow[i] = inputs[i].to(dtype)              # strides kept: views of token rows
         assert narrow[i].stride() == inputs[i].stride()
     wide = [x.float() if i < 4 else x for i, x in enumerate(narrow)]
-    got = chunk_kernels.chunk_gradients(*narrow)
-    want = chunk_kernels.chunk_gradients(*wide)
+    got = chunk_kernels.chunk_gradients(*narrow, spec=VARIANTS[variant])
+    want = chunk_kernels.chunk_gradients(*wide, spec=VARIANTS[variant])
     torch.cuda.synchronize()
     for what, a, b in zip(OUTPUTS, got, want):
         assert torch.isfinite(a).all() and torch.equal(a, b), f"{which} {dtype}: {what}"
+
+
+def test_walking_ctas_give_the_bits_of_one_cta_a_tile():
+    """The walk variant (one CTA per SM, several tiles each, the next tile's inputs fetched ahead)
+    computes each tile as the one-CTA-a-tile kernel does: the same bits."""
+    _, inputs = per_chunk_case(24, [3000, 64, 129], 2, 8, "mixed", True, True, 1.0, "unit")
+    narrow = [x.bfloat16() if i < 4 else x for i, x in enumerate(inputs)]
+    got = chunk_kernels.chunk_gradients(*narrow, spec=VARIANTS["wg2-walk"])
+    want = chunk_kernels.chunk_gradients(*narrow, spec=VARIANTS["wg2"])
+    torch.cuda.synchronize()
+    for what, a, b in zip(OUTPUTS, got, want):
+        assert torch.isfinite(a).all() and torch.equal(a, b), what
 
 
 def test_inputs_the_kernel_cannot_read_in_place_are_refused():

@@ -8,9 +8,10 @@ buffers' strides: the backward hands it views of token-major chunks, so that eac
 to token rows in one row gather (the v-heads summed per q/k head before it).
 
 Its inputs are the batched backward's per-chunk tensors: q and k per q/k head (not repeated over
-the v-heads: the kernel reads each v-head's q/k head), v and dO in the call's dtype (fp32, fp16 or
-bf16, read in place: views of the call's token rows need no copy), beta, the in-chunk cumulative
-gate gamma and A0 = (I + strictly_lower(diag(b) K K^T))^{-1} in fp32, and the chains' results as
+the v-heads: the kernel reads each v-head's q/k head), v and dO, these four in the call's dtype
+(fp32, fp16 or bf16, read in place: views of the call's token rows need no copy); beta, the
+in-chunk cumulative gate gamma and A0 = (I + strictly_lower(diag(b) K K^T))^{-1}, all three fp32;
+and the chains' results as
 the chain kernels return them, still scaled per (sequence, v-head) by chunked_torch._chain_units:
 S_c and Vn by unit_u, dS_{c+1} and dVn by unit_d, with those units per chunk. The kernel rounds
 everything to 16-bit wgmma operands itself (fp16 by default, `OPERAND_DTYPE`), with dO scaled by
@@ -80,6 +81,7 @@ class ChunkSpec(LibrarySpec):
 
 OPERAND_DTYPE = "float16"
 WARP_GROUPS = 2   # the H200's faster of the two (docs/results/backward-chunk-variants.log)
+WALK = True       # CTAs walk the tiles: faster on the H200 (the same log)
 # The head dims whose library the backward uses (built and checked for spills, run against float64
 # on the H200): the chain kernels'.
 BACKWARD_DIMS = chain_kernels.BACKWARD_DIMS
@@ -90,7 +92,7 @@ def spec_for(head_k_dim: int, head_v_dim: int) -> ChunkSpec:
     if (head_k_dim, head_v_dim) not in BACKWARD_DIMS:
         raise ValueError(f"the backward's per-chunk gradient kernel is built for (K, V) in {sorted(BACKWARD_DIMS)}, "
                          f"not K={head_k_dim}, V={head_v_dim}")
-    return ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, WARP_GROUPS)
+    return ChunkSpec(OPERAND_DTYPE, head_k_dim, head_v_dim, WARP_GROUPS, WALK)
 
 
 def variants_for(head_k_dim: int, head_v_dim: int) -> dict[str, ChunkSpec]:
@@ -247,4 +249,4 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
 
 
 __all__ = ["ABI_VERSION", "BACKWARD_DIMS", "ChunkArgs", "ChunkKernelError", "ChunkSpec", "KIND", "LIBRARIES",
-           "OPERAND_DTYPE", "WARP_GROUPS", "chunk_gradients", "render_source", "spec_for", "variants_for"]
+           "OPERAND_DTYPE", "WALK", "WARP_GROUPS", "chunk_gradients", "render_source", "spec_for", "variants_for"]

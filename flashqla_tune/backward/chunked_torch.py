@@ -394,7 +394,9 @@ def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
     K, V = q_chunks.shape[-1], vc.shape[-1]
     spec = prep_kernels.spec_for(K, V)
     op = spec.torch_dtype
-    q16, k16 = (x.to(op, memory_format=torch.contiguous_format) for x in (q_chunks, k_chunks))
+    # one copy into the prep's contiguous operand tiles, whatever the views' dtype (a view already
+    # in the operand dtype too: .to would hand it back as it is)
+    q16, k16 = (torch.empty(x.shape, dtype=op, device=x.device).copy_(x) for x in (q_chunks, k_chunks))
     return prep_kernels.backward_prep(q16, k16, vc, do_chunks, gc.contiguous(), bc.contiguous(), dout_scale=scale,
                                       gated_inverse=False)
 
@@ -462,13 +464,14 @@ def chunk_gated_delta_rule_bwd_torch(
     # With the chain kernels the state-independent pieces come from one prep kernel launch
     # (prep_kernels) and step 3 is one kernel launch (chunk_kernels); each falls back to torch, with
     # one warning, where its library cannot be had. With both, q, k, v and dO are read as the call
-    # holds them (fp32, fp16 or bf16): in place where the grid is an identity, else gathered in
-    # their own dtype.
+    # holds them (fp32, fp16 or bf16; q with k's dtype, v with dO's, as the op's calls have them):
+    # in place where the grid is an identity, else gathered in their own dtype.
     from .kernel_library import INPUT_DTYPES
 
     prep_kernel = kernels and _prep_library_or_none(sequential, K, V) is not None
     step3_kernel = kernels and _chunk_library_or_none(sequential, K, V) is not None
-    in_place = prep_kernel and step3_kernel
+    in_place = (prep_kernel and step3_kernel and q.dtype == k.dtype and v.dtype == do.dtype
+                and {q.dtype, v.dtype} <= set(INPUT_DTYPES))
 
     def chunks(x, as_is=False):
         # [B, T, ...] -> the chunk layout (a host grid takes the offsets' tokens): in the compute
@@ -476,7 +479,7 @@ def chunk_gated_delta_rule_bwd_torch(
         # kernels read x as it is, in x's dtype: a view where the grid is an identity and the rows
         # are whole 16-byte pieces, else a gather
         rows = x.reshape(B * T, *x.shape[2:])[:grid.num_tokens]
-        if not (as_is and in_place and x.dtype in INPUT_DTYPES):
+        if not (as_is and in_place):
             return chunk_rows(rows, grid, dt)
         return chunk_rows(rows, grid, copy=not _whole_pieces(rows))
 
@@ -521,10 +524,10 @@ def chunk_gated_delta_rule_bwd_torch(
             w_op, Kd_op, Qd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd", "Qd"))
             chunk_decay = gamma_last.exp().contiguous()
         segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, k_chunks, group)
-        # the chains' units from each tile's largest magnitude: the prep kernel's, or one reduction
-        u_amax, dout_amax = ((pieces.u_amax, pieces.dout_amax) if pieces is not None
-                             else (tile_amax(u), tile_amax(do_chunks)))
-        unit_u, unit_u_c = _chain_units(grid, u_amax, h0, offsets_agree)
+        # the chains' units from each tile's largest magnitude: one reduction, or the prep kernel's
+        # for dO (read as it stages dO)
+        dout_amax = pieces.dout_amax if pieces is not None else tile_amax(do_chunks)
+        unit_u, unit_u_c = _chain_units(grid, tile_amax(u), h0, offsets_agree)
         h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, u, chunk_decay, segments,
                                               None if h0 is None else (h0 * unit_u).contiguous(),
                                               window_log_decay=guard, u_scale=unit_u_c.view(NC, Hv))
@@ -541,7 +544,7 @@ def chunk_gated_delta_rule_bwd_torch(
         if step3_kernel:
             # 3 as one kernel launch on the chains' results as they come, still scaled by the units
             # (16-bit operands, fp32 accumulation; the gradients come back unscaled); q and k per q/k
-            # head, and they, v, dO, beta and gamma read in place from to_chunks' views
+            # head, and they, v, dO, beta and gamma read in place from their chunk views
             from . import chunk_kernels
 
             # into token-major chunks with a spare zero chunk, so that each goes back to token rows
@@ -643,8 +646,7 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
     if cp is not None and cp.splits:
         most = cp.bound(total_rows, grid.num_seqs)
         if most > grid.num_seqs:
-            key_norms = torch.linalg.vector_norm(k_chunks, dim=-1, dtype=torch.float32).square()   # [NC, Hqk, C]
-            key_norms = key_norms.repeat_interleave(group, dim=1)                                 # [NC, Hv, C]
+            key_norms = k_chunks.float().square().sum(-1).repeat_interleave(group, dim=1)   # [NC, Hv, C]
             return (chain_segments.split_sequences(grid.chunk_offsets, cp.segment_chunks, most, cp.warmup, cp.log_eps),
                     chain_segments.window_log_decay(gamma_last, bc, key_norms))
     return chain_segments.whole_sequences(grid.chunk_offsets), None
@@ -653,7 +655,8 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
 def tile_amax(per_chunk: torch.Tensor) -> torch.Tensor:
     """The largest |x| of each (chunk, v-head) tile of per_chunk [NC, Hv, ...], fp32 [NC, Hv] (exact:
     the largest of a 16-bit tile's values is one of them), NaN where the tile holds a NaN: one
-    reduction, no |x| tensor. The prep kernel gives u's and dO's itself (PrepPieces)."""
+    reduction, no |x| tensor. The prep kernel gives dO's itself (PrepPieces; there a NaN is not
+    seen, but it flows on in dO itself, so a sequence with one still has non-finite results)."""
     return torch.linalg.vector_norm(per_chunk, float("inf"), dim=tuple(range(2, per_chunk.dim()))).float()
 
 

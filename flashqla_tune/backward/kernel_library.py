@@ -25,8 +25,8 @@ logger = logging.getLogger("flashqla_tune")
 CHUNK = 64
 ELEMENT_TYPES = {"float16": "cutlass::half_t", "bfloat16": "cutlass::bfloat16_t"}
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-# The inputs the prep and per-chunk kernels read in place, in the call's dtype: csrc/gdn_bwd_inputs.cuh's
-# InputDtype codes, and the elements of one of the 16-byte pieces they are read in.
+# The dtypes of the inputs the prep and per-chunk kernels read in place (the call's), by their
+# csrc/gdn_bwd_inputs.cuh InputDtype codes.
 INPUT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

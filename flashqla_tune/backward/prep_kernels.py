@@ -3,7 +3,7 @@
 One kernel launch computes, for every chunk and v-head, what chunked_torch batches in torch before
 its chains: the chain kernels' inputs w, Kd and D Q (in the chains' 16-bit operand dtype), u and
 scale P^T dO (fp32, in the tiles the chains read: chain_kernels.add_tiles), e^{gamma_C} and each
-tile's largest |u| and |dO| (the chains' units are taken from them), and for the per-chunk
+tile's largest |dO| (the chains' unit for dO is taken from it), and for the per-chunk
 gradients gamma, A = Gamma * A0 and A0 (fp32), all else in the padded chunk layout [chunks, Hv,
 64, D]. It reads the chunk layout too: q and k [chunks, Hqk, 64, K] in the operand dtype
 (normalised by torch where the op normalises), v and dO [chunks, Hv, 64, V] in the call's dtype,
@@ -86,7 +86,7 @@ class PrepArgs(ctypes.Structure):
         ("v_stride", ctypes.c_int64 * 3), ("dout_stride", ctypes.c_int64 * 3), ("vd_dtype", ctypes.c_int32),
         ("w", ctypes.c_void_p), ("kd", ctypes.c_void_p), ("qd", ctypes.c_void_p), ("u", ctypes.c_void_p),
         ("ptdo", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("gamma", ctypes.c_void_p),
-        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p), ("u_amax", ctypes.c_void_p), ("dout_amax", ctypes.c_void_p),
+        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p), ("dout_amax", ctypes.c_void_p),
     ]
 
 
@@ -109,8 +109,8 @@ class PrepPieces:
     gamma: torch.Tensor   # fp32 [., 64]
     a: torch.Tensor | None   # fp32 [., 64, 64]: Gamma * A0
     a0: torch.Tensor | None  # fp32 [., 64, 64]: A0
-    u_amax: torch.Tensor     # fp32 [chunks, Hv]: each tile's largest |u| (NaN where u holds a NaN)
-    dout_amax: torch.Tensor  # fp32 [chunks, Hv]: each tile's largest |dO|, the scale not applied
+    dout_amax: torch.Tensor  # fp32 [chunks, Hv]: each tile's largest |dO|, the scale not applied (a NaN
+                             # is not seen: it is in dO)
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple, device, dtype: torch.dtype | None = None) -> None:
@@ -156,8 +156,7 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
         raise ValueError(f"dout_scale={dout_scale} must be finite")
     shapes = dict(w=(NC, Hv, C, K), kd=(NC, Hv, C, K), qd=(NC, Hv, C, K), u=(NC, Hv, V // bv, C, bv),
                   ptdo=(NC, Hv, V // bv, C, bv),
-                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C), u_amax=(NC, Hv),
-                  dout_amax=(NC, Hv))
+                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C), dout_amax=(NC, Hv))
     dtypes = dict(w=op, kd=op, qd=op)
     wanted = dict(a=gated_inverse, a0=gate_free_inverse)
     if out is None:
