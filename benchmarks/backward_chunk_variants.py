@@ -1,5 +1,6 @@
 """The backward's per-chunk gradient kernel as each library variant builds it (ChunkSpec.warp_groups:
-one warp group per CTA, or two splitting every GEMM's output columns), timed on the same inputs.
+one warp group per CTA, or two splitting every GEMM's output columns; ChunkSpec.walk: CTAs that walk
+the tiles), timed on the same inputs.
 
     python3 -P benchmarks/backward_chunk_variants.py OUT_DIR [--heads 16/32 --heads 2/8] [--tokens 32768]
                                                      (repository root; h200_steps.sh backward-variants)

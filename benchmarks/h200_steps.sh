@@ -46,7 +46,7 @@
 #                                              backend off): $OUT/gpu_tests_backward.log
 #                                              (published: docs/results/gpu-tests-backward.log)
 #   bash benchmarks/h200_steps.sh backward-variants [ARGS]   the per-chunk kernel's library variants (one
-#                                              or two warp groups a CTA) timed on the same inputs:
+#                                              or two warp groups a CTA, walking CTAs) timed on the same inputs:
 #                                              benchmarks/backward_chunk_variants.py with ARGS (--heads, --tokens):
 #                                              $OUT/bwd/backward_chunk_variants.json, $OUT/backward_chunk_variants.log
 #                                              (published: docs/results/backward-chunk-variants.{json,log})

@@ -542,9 +542,9 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
       using QkIn = decltype(qk_in);
       using VdIn = decltype(vd_in);
       // q, k, v and dO are read as raw 16-byte pieces (TilePieces), as many tiles at once as fit
-      // kRawRegs registers a thread (32 per warp group), the first group before the gates load:
-      // their DRAM reads are in flight together and beside the gates' (at two warp groups and
-      // 16-bit inputs, all four tiles at once)
+      // kRawRegs registers a thread (32 per warp group; at least one tile), the first group before
+      // the gates load: their DRAM reads are in flight together and beside the gates' (at two warp
+      // groups and 16-bit inputs, all four tiles at once)
       TilePieces<C, K, T, QkIn> tq, tk;
       TilePieces<C, V, T, VdIn> tv, tdo;
       constexpr int kRawRegs = 32 * Cfg::Groups, kQk = 4 * decltype(tq)::kPieces, kVd = 4 * decltype(tv)::kPieces;

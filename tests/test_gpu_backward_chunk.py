@@ -120,7 +120,7 @@ def nan_like(*shape):
     return torch.full(shape, float("nan"), dtype=torch.float32, device=DEV)
 
 
-# the library variants: the backward's, and the one warp group CTA it could choose instead
+# the library variants: the backward's (walking CTAs), and the others it could choose instead
 VARIANTS = chunk_kernels.variants_for(K, V)
 assert chunk_kernels.spec_for(K, V) in VARIANTS.values()
 
