@@ -8,17 +8,14 @@ build: tests/test_backward_kernel_builds.py; its results: tests/test_gpu_backwar
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 import torch
 
 from flashqla_tune import environment
 from flashqla_tune.backward import chunk_kernels
 from flashqla_tune.backward.chunk_kernels import ChunkSpec
-from flashqla_tune.package_data import csrc_dir
 
-from toolchain import needs_nvcc
+from toolchain import needs_nvcc, run_host_program
 
 SPEC = ChunkSpec(walk=True)  # what the backward uses at K = V = 128
 
@@ -127,15 +124,8 @@ int main() {
 @pytest.mark.slow
 @needs_nvcc
 def test_hand_written_tile_offsets_are_cutes(tmp_path):
-    source = tmp_path / "layout_check.cu"
-    source.write_text(LAYOUT_CHECK)
-    exe = tmp_path / "layout_check"
-    cmd = [str(environment.find_nvcc()), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
-           f"-I{csrc_dir()}", f"-I{environment.cutlass_include_dir()}", str(source), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and "layouts ok" in run.stdout, run.stdout
+    out = run_host_program(LAYOUT_CHECK, tmp_path, "layout_check")
+    assert "layouts ok" in out, out
 
 
 def test_template_only_fixes_constants():

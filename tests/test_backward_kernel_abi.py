@@ -9,15 +9,12 @@ kernels' structs, and each must be the ctypes field of the same name at the same
 from __future__ import annotations
 
 import ctypes
-import subprocess
 
 import pytest
 
-from flashqla_tune import environment
 from flashqla_tune.backward import chain_kernels, chunk_kernels, prep_kernels
-from flashqla_tune.package_data import csrc_dir
 
-from toolchain import needs_nvcc
+from toolchain import needs_nvcc, run_host_program
 
 # (host header, C struct, ctypes mirror)
 STRUCTS = [
@@ -43,17 +40,8 @@ def layout_program() -> str:
 @pytest.mark.slow
 @needs_nvcc
 def test_ctypes_mirrors_lay_out_every_field_as_the_c_structs(tmp_path):
-    source = tmp_path / "abi_layout.cu"
-    source.write_text(layout_program())
-    exe = tmp_path / "abi_layout"
-    cmd = [str(environment.find_nvcc()), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
-           f"-I{csrc_dir()}", f"-I{environment.cutlass_include_dir()}", str(source), "-o", str(exe)]
-    build = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-4000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
     seen = {}
-    for line in run.stdout.splitlines():
+    for line in run_host_program(layout_program(), tmp_path, "abi_layout").splitlines():
         struct, name, offset, size = line.split()
         seen[struct, name] = (int(offset), int(size))
     for _, struct, mirror in STRUCTS:

@@ -12,12 +12,9 @@ silently, so this test breaks first):
 """
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from flashqla_tune.environment import cutlass_include_dir, find_nvcc
-from flashqla_tune.render import csrc_dir
+from toolchain import have_toolchain, run_host_program
 
 PROBE = r'''
 #include <cstdio>
@@ -58,16 +55,9 @@ int main() {
 
 def run_probe(source: str, where) -> list[str]:
     """Build a host program against csrc/ and CUTLASS with nvcc and run it: its stdout's words."""
-    try:
-        nvcc = find_nvcc()
-        include = cutlass_include_dir()
-    except Exception as exc:  # noqa: BLE001 - CI has both; a bare machine reports why it skipped
-        pytest.skip(f"no nvcc or CUTLASS headers: {exc}")
-    src, exe = where / "probe.cu", where / "probe"
-    src.write_text(source)
-    subprocess.run([str(nvcc), "-std=c++17", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
-                    f"-I{csrc_dir()}", f"-I{include}", str(src), "-o", str(exe)], check=True, capture_output=True)
-    return subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    if not have_toolchain():   # CI has both; a bare machine reports why it skipped
+        pytest.skip("no nvcc or CUTLASS headers")
+    return run_host_program(source, where).split()
 
 
 @pytest.mark.slow
