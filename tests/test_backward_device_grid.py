@@ -93,11 +93,13 @@ def test_rows_the_kernels_read_in_place_are_views_only_where_they_can(dtype):
     """chunk_rows(copy=False): the kernels' inputs in the call's dtype. An identity grid over rows of
     whole 16-byte pieces gives a view of the rows themselves (no copy); any other grid gathers
     (a fresh buffer, pad slots zero), and rows that are not whole pieces are copied
-    (_whole_pieces)."""
+    (kernel_library.whole_pieces)."""
+    from flashqla_tune.backward.kernel_library import whole_pieces
+
     piece = 16 // torch.empty((), dtype=dtype).element_size()
     grid = chunked_torch.uniform_chunk_grid(2, 128, torch.device("cpu"))
     x = torch.randn(256, 4, 2 * piece).to(dtype)
-    assert chunked_torch._whole_pieces(x)
+    assert whole_pieces(x)
     view = chunked_torch.chunk_rows(x, grid, copy=False)
     assert view.dtype == dtype and view.data_ptr() == x.data_ptr() and view.shape == (4, 4, 64, 2 * piece)
     assert torch.equal(view, chunked_torch.to_chunks(x, grid))
@@ -108,8 +110,8 @@ def test_rows_the_kernels_read_in_place_are_views_only_where_they_can(dtype):
     assert gathered.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
     assert torch.equal(gathered, chunked_torch.to_chunks(x, host))
     odd = torch.randn(256, 4, 2 * piece + 1).to(dtype)[..., 1:]   # columns start off a piece
-    assert not chunked_torch._whole_pieces(odd)
-    assert not chunked_torch._whole_pieces(x.transpose(1, 2))     # columns not contiguous
+    assert not whole_pieces(odd)
+    assert not whole_pieces(x.transpose(1, 2))     # columns not contiguous
 
 
 def test_the_forwards_host_names_one_length_only_when_it_fixes_every_sequence():

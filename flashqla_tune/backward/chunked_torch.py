@@ -366,14 +366,6 @@ def _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group: int) -> dict:
                 PtdO=P.transpose(-1, -2) @ dOs)
 
 
-def _whole_pieces(rows: torch.Tensor) -> bool:
-    """Whether the kernels can read these token rows [T, H, D] in place: contiguous columns, every
-    stride whole 16-byte pieces, a 16-byte aligned start (kernel_library.check_pieces)."""
-    piece = 16 // rows.element_size()
-    return (rows.stride(-1) == 1 and all(s % piece == 0 for s in rows.stride()[:-1])
-            and rows.data_ptr() % 16 == 0)
-
-
 def _prep_library_or_none(sequential: str, K: int, V: int):
     """The prep library, or None (_library_or_none): the state-independent pieces then run in torch."""
     from . import prep_kernels
@@ -466,7 +458,7 @@ def chunk_gated_delta_rule_bwd_torch(
     # one warning, where its library cannot be had. With both, q, k, v and dO are read as the call
     # holds them (fp32, fp16 or bf16; q with k's dtype, v with dO's, as the op's calls have them):
     # in place where the grid is an identity, else gathered in their own dtype.
-    from .kernel_library import INPUT_DTYPES
+    from .kernel_library import INPUT_DTYPES, whole_pieces
 
     prep_kernel = kernels and _prep_library_or_none(sequential, K, V) is not None
     step3_kernel = kernels and _chunk_library_or_none(sequential, K, V) is not None
@@ -477,11 +469,11 @@ def chunk_gated_delta_rule_bwd_torch(
         # [B, T, ...] -> the chunk layout (a host grid takes the offsets' tokens): in the compute
         # dtype, one conversion copy and a gather unless the grid is an identity; as_is, where the
         # kernels read x as it is, in x's dtype: a view where the grid is an identity and the rows
-        # are whole 16-byte pieces, else a gather
+        # are whole 16-byte pieces (kernel_library.whole_pieces), else a gather
         rows = x.reshape(B * T, *x.shape[2:])[:grid.num_tokens]
         if not (as_is and in_place):
             return chunk_rows(rows, grid, dt)
-        return chunk_rows(rows, grid, copy=not _whole_pieces(rows))
+        return chunk_rows(rows, grid, copy=not whole_pieces(rows))
 
     def kv_state(x):  # a state in the call's layout -> [N, Hv, K, V] in the compute dtype
         x = x.to(dt)

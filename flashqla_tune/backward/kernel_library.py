@@ -38,11 +38,19 @@ def input_dtype_code(name: str, t: torch.Tensor) -> int:
         raise ValueError(f"{name}: the kernel reads float32, float16 or bfloat16 inputs, got {t.dtype}") from None
 
 
+def whole_pieces(t: torch.Tensor) -> bool:
+    """Whether the kernels can read t in place in 16-byte pieces: contiguous columns, its other
+    strides multiples of a piece and a 16-byte aligned start (an empty t always)."""
+    piece = 16 // t.element_size()
+    return not t.numel() or (t.stride(-1) == 1 and all(s % piece == 0 for s in t.stride()[:-1])
+                             and t.data_ptr() % 16 == 0)
+
+
 def check_pieces(name: str, t: torch.Tensor) -> None:
     """ValueError naming `name` unless a [chunks, H, 64, D] input read in place is whole 16-byte
-    pieces: contiguous columns, its other strides multiples of a piece and a 16-byte aligned start."""
+    pieces (whole_pieces)."""
     piece = 16 // t.element_size()
-    if t.numel() and (t.stride(-1) != 1 or any(s % piece for s in t.stride()[:-1]) or t.data_ptr() % 16):
+    if not whole_pieces(t):
         raise ValueError(f"{name}: the kernel reads its rows in 16-byte pieces: it needs contiguous columns, "
                          f"strides of multiples of {piece} elements ({t.dtype}) and a 16-byte aligned start, "
                          f"got strides {t.stride()} at {t.data_ptr():#x}")
@@ -283,4 +291,4 @@ def check_tensor(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, d
 
 __all__ = ["BackwardKernelError", "CHUNK", "ELEMENT_TYPES", "INPUT_DTYPES", "LibraryKind", "LibraryRenderer",
            "LibrarySpec", "LibraryTable", "OpenedLibrary", "TORCH_DTYPES", "check_pieces", "check_tensor",
-           "input_dtype_code", "ptr", "render_template", "spec_json", "stream_handle"]
+           "input_dtype_code", "ptr", "render_template", "spec_json", "stream_handle", "whole_pieces"]
