@@ -87,12 +87,14 @@ def kernel_inputs(hqk: int, hv: int, tokens: int, seed: int, K: int = 128, V: in
 
 
 def launch_bytes(inputs, outputs, hv: int) -> int:
-    """What one launch asks memory for: each CTA (chunk, v-head) reads its q/k head's q and k tiles
-    and every per-v-head input once, and writes its outputs."""
+    """What one launch asks memory for: each tile (chunk, v-head) reads its q/k head's q and k tiles
+    and every per-v-head input once and writes its outputs, dq and dk into its q/k head's (so they
+    are written once per v-head; the re-reads of their running sums are not counted)."""
     q, k, *per_head = inputs
     group = hv // q.shape[1]
+    dq, dk, *rest = outputs
     return (group * (q.nbytes + k.nbytes) + sum(t.nbytes for t in per_head)
-            + sum(t.nbytes for t in outputs))
+            + group * (dq.nbytes + dk.nbytes) + sum(t.nbytes for t in rest))
 
 
 def run(args) -> tuple[dict, bool]:
@@ -107,13 +109,13 @@ def run(args) -> tuple[dict, bool]:
     for hqk, hv in args.heads:
         inputs = kernel_inputs(hqk, hv, args.tokens, args.seed, dtype=getattr(torch, args.input_dtype))
         outs, row = {}, {"heads": f"{hqk}/{hv}", "tokens": args.tokens, "input_dtype": args.input_dtype,
-                         "ctas": inputs[0].shape[0] * hv,
+                         "ctas": inputs[0].shape[0] * hqk,
                          "variants": {}}
         for name, spec in variants.items():
             lib = chunk_kernels.LIBRARIES.get(spec)
             NC = inputs[0].shape[0]
             out = tuple(torch.full(shape, float("nan"), device="cuda")   # NaN: an element left unwritten shows
-                        for shape in [(NC, hv, 64, 128)] * 3 + [(NC, hv, 64)] * 2)
+                        for shape in [(NC, hqk, 64, 128)] * 2 + [(NC, hv, 64, 128)] + [(NC, hv, 64)] * 2)
 
             def call(x, spec=spec, out=out):
                 return chunk_kernels.chunk_gradients(*x, out=out, spec=spec)

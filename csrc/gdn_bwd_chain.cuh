@@ -33,9 +33,11 @@
 // sequence when it is not split. A segment after the sequence's first (states) or before its last
 // (gradients) starts from the state at its boundary, which the CTA either approximates by a
 // warm-up from zero over the `warmup[h]` chunks beyond the boundary, storing nothing for them, or
-// gets exactly by walking from the sequence's own start (end). The warm-up is taken only where the
-// window's summed log-decay is at most log(eps) and every token of it has 0 <= b |k|^2 <= 2 (the
-// host folds the latter into window_log_decay as +inf): then the dropped term is at most eps times
+// gets exactly by a walk from the sequence's own start (end), which goes on through the following
+// (preceding) boundaries chained so, whose segments' CTAs are then idle (chain_range). The warm-up
+// is taken only where the window's summed log-decay is at most log(eps) and every token of it has
+// 0 <= b |k|^2 <= 2 (the host folds the latter into window_log_decay as +inf): then the dropped
+// term is at most eps times
 // the true state at the window's far end (docs/backward.md, "The backward's warm-up bound"). A
 // window that would reach past the sequence's start (end) is no approximation: it is the exact walk.
 // Every chunk index is clamped into [0, num_chunks], so whatever the segments hold, nothing is
@@ -95,7 +97,8 @@ struct ChainConfig {
   // kGradients' Kd); their (k, token) views are the MN-major B operands of phase 2.
   using LayoutTK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<C64, CK>{}));
   using LayoutKT = decltype(composition(LayoutTK{}, make_layout(Shape<CK, C64>{}, GenRowMajor{})));
-  // scale dO as a (value, token) tile, values contiguous: the MN-major A operand of dO^T (D Q).
+  // dO as a (value, token) tile, values contiguous: the MN-major A operand of dO^T (D Q) (the op's
+  // scale is split between the two tiles by the caller).
   using LayoutVT = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<CBV, C64>{}));
 
   // (v, t) += (v, k) (t, k)^T: A from registers, B K-major.
@@ -144,8 +147,8 @@ template <class Cfg>
 struct ChainParams {
   typename Cfg::TmaTK tma_w;    // w = T D K            [chunks, Hv, 64, K]
   typename Cfg::TmaTK tma_kd;   // Kd = diag(e^{gC - gamma}) K
-  typename Cfg::TmaTK tma_qd;   // D Q (kGradients)
-  typename Cfg::TmaVT tma_do;   // scale dO [chunks, Hv, 64, V] (kGradients)
+  typename Cfg::TmaTK tma_qd;   // D Q, with part of the scale (kGradients)
+  typename Cfg::TmaVT tma_do;   // dO with the rest of it [chunks, Hv, 64, V] (kGradients)
   // u (kStates) or scale P^T dO (kGradients), fp32 tiles [chunks, Hv, V / BlockV, 64, BlockV]
   const float* add;
   const float* add_scale;       // [chunks, Hv]: add is read times this (the chain's unit); null: 1
@@ -161,6 +164,7 @@ struct ChainParams {
   int64_t num_seqs;
   float log_eps;
   int32_t num_heads;
+  int64_t num_segments;         // rows of segments
 };
 
 // A segment as the host lays it out: its sequence's first chunk, the segment's chunks
@@ -183,45 +187,96 @@ struct ChainRange {
   __device__ __forceinline__ int64_t chunk(int i) const { return Backward ? begin + count - 1 - i : begin + i; }
 };
 
-// The walk of segment s for v-head hv (Backward: the reverse chain, whose boundary is the
-// segment's end). Idle (seq -1) for an unused slot or a sequence index out of range.
-template <bool Backward, class Params>
-__device__ __forceinline__ ChainRange chain_range(const Params& p, int64_t s, int hv) {
+// Row s of the segment table, its chunk indices clamped into [0, num_chunks] and ordered.
+struct ChainSegment {
+  int64_t first, begin, end, last, seq;
+  __device__ __forceinline__ bool continues(const ChainSegment& before) const {
+    return seq >= 0 && seq == before.seq && first == before.first && last == before.last && begin == before.end;
+  }
+};
+
+template <class Params>
+__device__ __forceinline__ ChainSegment chain_segment(const Params& p, int64_t s) {
   const int64_t* e = p.segments + s * kSegmentFields;
-  const int64_t first = clamp_offset(e[0], p.num_chunks);
-  const int64_t begin = max(first, clamp_offset(e[1], p.num_chunks));
-  const int64_t end = max(begin, clamp_offset(e[2], p.num_chunks));
-  const int64_t last = max(end, clamp_offset(e[3], p.num_chunks));
-  const int64_t seq = e[4] >= 0 && e[4] < p.num_seqs ? e[4] : -1;
+  ChainSegment g;
+  g.first = clamp_offset(e[0], p.num_chunks);
+  g.begin = max(g.first, clamp_offset(e[1], p.num_chunks));
+  g.end = max(g.begin, clamp_offset(e[2], p.num_chunks));
+  g.last = max(g.end, clamp_offset(e[3], p.num_chunks));
+  g.seq = e[4] >= 0 && e[4] < p.num_seqs ? e[4] : -1;
+  return g;
+}
+
+// The warm-up window beyond a segment's boundary (Backward: its end, else its begin), [lo, hi),
+// and whether it is taken: the segment has that boundary, the window stays inside the sequence and
+// it passes the guard. A boundary that is not taken is chained exactly.
+struct ChainWindow {
+  int64_t lo, hi;
+  bool boundary, warm;
+};
+
+template <bool Backward, class Params>
+__device__ __forceinline__ ChainWindow chain_window(const Params& p, const ChainSegment& g, int hv) {
   const int n = p.warmup ? p.warmup[hv] : 0;
-  // The window beyond the boundary, if it stays inside the sequence and passes the guard.
-  bool warm = false;
-  int64_t lo = 0, hi = 0;
-  if (Backward ? end < last : begin > first) {
-    lo = Backward ? end : begin - n;
-    hi = Backward ? end + n : begin;
-    if (n > 0 && (Backward ? hi < last : lo > first)) {
+  ChainWindow w{0, 0, Backward ? g.end < g.last : g.begin > g.first, false};
+  if (w.boundary) {
+    w.lo = Backward ? g.end : g.begin - n;
+    w.hi = Backward ? g.end + n : g.begin;
+    if (n > 0 && (Backward ? w.hi < g.last : w.lo > g.first)) {
       float sum = 0.f;
-      for (int64_t c = lo; c < hi; ++c) sum += p.window_log_decay[c * p.num_heads + hv];
-      warm = sum <= p.log_eps;  // false for NaN: chained exactly
+      for (int64_t c = w.lo; c < w.hi; ++c) sum += p.window_log_decay[c * p.num_heads + hv];
+      w.warm = sum <= p.log_eps;  // false for NaN: chained exactly
     }
   }
-  ChainRange r;
-  r.seq = seq;
-  if (Backward) {
-    const int64_t stop = warm ? hi : last;
-    r.begin = begin;
-    r.count = stop - begin;
-    r.skip = stop - end;
-    r.to_state = begin == first;
-  } else {
-    const int64_t start = warm ? lo : first;
-    r.begin = start;
-    r.count = end - start;
-    r.skip = begin - start;
-    r.to_state = end == last;
+  return w;
+}
+
+// The walk of segment s for v-head hv (Backward: the reverse chain, whose boundary is the
+// segment's end). A boundary whose window is not taken is chained exactly, by a walk from the
+// sequence's own start (end). Such a walk goes on through every following (Backward: preceding)
+// adjacent row whose boundary is chained exactly too (rows that continue each other in the table),
+// storing them all, and those rows' CTAs are idle: a row is idle where its boundary is chained
+// exactly and the row before it (after it) continues it and walks exactly itself. So a sequence
+// chained exactly is walked once, not once per segment; the arithmetic is the walk from the start
+// either way, so whichever CTA walks a chunk, it stores the same values. Idle (seq -1) too for an
+// unused slot or a sequence index out of range.
+template <bool Backward, class Params>
+__device__ __forceinline__ ChainRange chain_range(const Params& p, int64_t s, int hv) {
+  ChainRange r{0, 0, 0, -1, false, false};
+  const ChainSegment g = chain_segment(p, s);
+  if (g.seq < 0) return r;
+  const ChainWindow w = chain_window<Backward>(p, g, hv);
+  const int64_t step = Backward ? -1 : 1;  // the walk's direction through the table's rows
+  if (w.boundary && !w.warm && s - step >= 0 && s - step < p.num_segments) {
+    const ChainSegment n = chain_segment(p, s - step);  // the row across this one's boundary
+    if ((Backward ? n.continues(g) : g.continues(n)) && !chain_window<Backward>(p, n, hv).warm) return r;
   }
-  r.from_state = !warm;
+  int64_t lo_run = g.begin, hi_run = g.end;  // the chunks this CTA stores
+  if (!w.warm) {
+    // a walk from the sequence's start (end): on through the adjacent rows chained exactly
+    ChainSegment run = g;
+    for (int64_t t = s + step; t >= 0 && t < p.num_segments; t += step) {
+      const ChainSegment n = chain_segment(p, t);
+      if (!(Backward ? run.continues(n) : n.continues(run))) break;
+      if (chain_window<Backward>(p, n, hv).warm) break;
+      if (Backward) lo_run = run.begin = n.begin; else hi_run = run.end = n.end;
+    }
+  }
+  r.seq = g.seq;
+  if (Backward) {
+    const int64_t stop = w.warm ? w.hi : g.last;
+    r.begin = lo_run;
+    r.count = stop - lo_run;
+    r.skip = stop - hi_run;
+    r.to_state = lo_run == g.first;
+  } else {
+    const int64_t start = w.warm ? w.lo : g.first;
+    r.begin = start;
+    r.count = hi_run - start;
+    r.skip = lo_run - start;
+    r.to_state = hi_run == g.last;
+  }
+  r.from_state = !w.warm;
   return r;
 }
 

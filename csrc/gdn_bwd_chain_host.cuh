@@ -26,7 +26,7 @@ typedef struct FqtBwdChainArgs {
   const void* w;                // 16-bit [chunks, Hv, 64, K]
   const void* kd;               // 16-bit [chunks, Hv, 64, K]
   const void* qd;               // 16-bit [chunks, Hv, 64, K] (gradients)
-  const void* dout;             // 16-bit [chunks, Hv, 64, V], the scale folded in (gradients)
+  const void* dout;             // 16-bit [chunks, Hv, 64, V] (gradients); qd^T dout is (D Q)^T scale dO
   const float* add;             // fp32 [chunks, Hv, V / block_v, 64, block_v]: u, or scale P^T dO
   const float* add_scale;       // fp32 [chunks, Hv]: each chunk's add is read times this; null: 1
   const float* decay;           // fp32 [chunks, Hv]: e^{gamma_C}
@@ -69,6 +69,7 @@ cudaError_t chain_launch(const FqtBwdChainArgs& a, cudaStream_t stream) {
       a.num_seqs,
       a.log_eps,
       a.num_heads,
+      a.num_segments,
   };
   const dim3 grid(unsigned(a.num_segments * (Cfg::HeadV / Cfg::BlockV)), unsigned(a.num_heads));
   gdn_bwd_chain_kernel<Cfg><<<grid, Cfg::Threads, Cfg::SmemBytes, stream>>>(p);

@@ -1,7 +1,10 @@
 // Step 3 of the GDN backward on Hopper: the per-chunk gradients, once the chains
 // (gdn_bwd_chain.cuh) have given every chunk's incoming state S_c and outgoing state gradient
 // dS_{c+1}. A CTA computes one (chunk, v-head) tile at a time, no loop over a sequence's chunks:
-// one CTA per tile, or one per SM walking the tiles (ChunkGradConfig::Walk). It is one or two warp
+// the tiles of one (chunk, q/k head), its v-heads in order, by one CTA, which sums their dq and dk
+// into the q/k head's (the first v-head's stored, each later one's added to them: the same
+// threads write and read the same elements, in a fixed order, so the sums are deterministic); one
+// CTA per (chunk, q/k head), or one per SM walking them (ChunkGradConfig::Walk). It is one or two warp
 // groups (ChunkGradConfig::Groups): two split the columns of every GEMM's output between them, so
 // each SM scheduler has two warps to switch between and the two halves' GEMMs and epilogues overlap.
 //
@@ -80,9 +83,10 @@ template <class Elem_, int HeadK_, int HeadV_, int Groups_, bool Walk_ = false>
 struct ChunkGradConfig {
   using Elem = Elem_;
   static constexpr int HeadK = HeadK_, HeadV = HeadV_, Groups = Groups_;
-  // Walk: one CTA per SM walks the tiles (tile, tile + grid, ...) and asks L2 for its next tile's
-  // inputs once its current tile's are in shared memory, so the next tile's DRAM reads overlap this
-  // tile's GEMMs; else one CTA per tile, whose inputs are asked for when it starts.
+  // Walk: one CTA per SM walks the items ((chunk, q/k head): its v-heads' tiles in order; item,
+  // item + grid, ...) and asks L2 for its next tile's inputs once its current tile's are in shared
+  // memory, so the next tile's DRAM reads overlap this tile's GEMMs; else one CTA per item, whose
+  // first tile's inputs are asked for when it starts.
   static constexpr bool Walk = Walk_;
   static_assert(sizeof(Elem) == 2, "the wgmma operands are 16-bit (fp16 or bf16)");
   static_assert(HeadK % 64 == 0 && HeadK <= 128 && HeadV % 64 == 0 && HeadV <= 128,
@@ -167,8 +171,8 @@ struct ChunkGradParams {
   const typename Cfg::Elem* dvn;     // unit_d dVn [chunks, Hv, 64, V]
   const float* unit_u;  // [chunks, Hv]
   const float* unit_d;  // [chunks, Hv]
-  float* dq;            // [chunks, Hv, 64, K]
-  float* dk;            // [chunks, Hv, 64, K]
+  float* dq;            // [chunks, Hqk, 64, K], summed over the q/k head's v-heads
+  float* dk;            // [chunks, Hqk, 64, K], summed so
   float* dv;            // [chunks, Hv, 64, V]
   float* dbeta;         // [chunks, Hv, 64]
   float* dg;            // [chunks, Hv, 64], the reverse cumulative sum applied
@@ -395,13 +399,19 @@ __device__ __forceinline__ void store_tile_transposed(const Acc& acc, const Crd&
 // neighbouring columns; the host checks the stride and base allow float2 stores).
 template <class Acc, class Crd>
 __device__ __forceinline__ void store_global(const Acc& acc, const Crd& crd, float* out, int64_t row_stride,
-                                             float scale) {
+                                             float scale, bool add = false) {
   const int r0 = get<0>(crd(0)), c0 = get<1>(crd(0));
   float* base = out + r0 * row_stride + c0;
   CUTE_UNROLL
-  for (int e = 0; e < size(acc); e += 2)
-    *reinterpret_cast<float2*>(base + (get<0>(crd(e)) - r0) * row_stride + (get<1>(crd(e)) - c0)) =
-        make_float2(scale * acc(e), scale * acc(e + 1));
+  for (int e = 0; e < size(acc); e += 2) {
+    float2* at = reinterpret_cast<float2*>(base + (get<0>(crd(e)) - r0) * row_stride + (get<1>(crd(e)) - c0));
+    float2 x = make_float2(scale * acc(e), scale * acc(e + 1));
+    if (add) {  // onto what this thread stored there for the earlier v-heads
+      const float2 before = *at;
+      x = make_float2(before.x + x.x, before.y + x.y);
+    }
+    *at = x;
+  }
 }
 
 template <class Acc>
@@ -485,6 +495,7 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
   const int hv = int(tile % p.num_heads);
   const int64_t chunk = tile / p.num_heads;
   const int hq = hv / (p.num_heads / p.num_qk_heads);  // the v-head's q/k head
+  const bool later_head = hv % (p.num_heads / p.num_qk_heads) != 0;  // dq, dk add to the earlier v-heads'
   const int tid = threadIdx.x;
   const int group = tid / 128;  // this warp group's block of every output's columns
   const int cc0 = group * NC, ck0 = group * NK, cv0 = group * NV;
@@ -692,7 +703,7 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
   }
   operands_ready();  // dQK, dw
   gemm_ss<typename Cfg::MmaTokKTok>(sDQK, sKtB, accQ, false);
-  store_global(accQ, crdK, p.dq + p.dq_strides.at(chunk, hv), p.dq_strides.row, inv_du / s_k);
+  store_global(accQ, crdK, p.dq + p.dq_strides.at(chunk, hq), p.dq_strides.row, inv_du / s_k, later_head);
 
   // ---- 4. dT = (dw K^T) diag(d) + dVn V^T; dA = dT diag(b); dbeta's and E's dA terms; X = dA * Gamma
   {
@@ -784,7 +795,7 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
     gemm_ss<typename Cfg::MmaTokKTokT>(sDLbt, sKtB, accK, false);
     scale_acc(accK, s_q / s_k);
     gemm_ss<typename Cfg::MmaTokKTokT>(sDQKt, sQtB, accK, false);
-    store_global(accK, crdK, p.dk + p.dk_strides.at(chunk, hv), p.dk_strides.row, inv_du / s_q);
+    store_global(accK, crdK, p.dk + p.dk_strides.at(chunk, hq), p.dk_strides.row, inv_du / s_q, later_head);
   }
 
   // ---- 8. dbeta, and dg: the reverse cumulative sum of dgamma
@@ -817,23 +828,24 @@ __device__ __forceinline__ void chunk_tile(const ChunkGradParams<Cfg>& p, typena
   }
 }
 
-// Grid: x = chunk * Hv + v-head (one CTA a tile), or with Cfg::Walk at most one CTA per SM, each
-// walking tiles blockIdx.x, blockIdx.x + gridDim.x, ... Block: Cfg::Threads threads.
+// Grid: x = chunk * Hqk + q/k head (one CTA an item: its v-heads' tiles, chunk * Hv + v-head, in
+// order), or with Cfg::Walk at most one CTA per SM, each walking items blockIdx.x, blockIdx.x +
+// gridDim.x, ... Block: Cfg::Threads threads.
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::Threads, 1)
     gdn_bwd_chunk_kernel(CUTE_GRID_CONSTANT const ChunkGradParams<Cfg> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   auto& ss = *reinterpret_cast<typename Cfg::SharedStorage*>(smem_raw);
-  if constexpr (!Cfg::Walk) {
-    prefetch_tile(p, blockIdx.x);
-    chunk_tile(p, ss, blockIdx.x, -1);
-  } else {
-    const int64_t tiles = p.num_chunks * p.num_heads;
-    int64_t tile = blockIdx.x;
-    if (tile < tiles) prefetch_tile(p, tile);
-    for (; tile < tiles; tile += gridDim.x) {
-      const int64_t next = tile + gridDim.x;
-      chunk_tile(p, ss, tile, next < tiles ? next : -1);
+  const int group = p.num_heads / p.num_qk_heads;
+  const int64_t items = p.num_chunks * p.num_qk_heads;
+  const int64_t step = Cfg::Walk ? int64_t(gridDim.x) : items;  // without Walk: one item a CTA
+  int64_t item = blockIdx.x;
+  if (item < items) prefetch_tile(p, item * group);
+  for (; item < items; item += step) {
+    for (int j = 0; j < group; ++j) {
+      const int64_t tile = item * group + j;
+      const int64_t next = j + 1 < group ? tile + 1 : (item + step < items ? (item + step) * group : -1);
+      chunk_tile(p, ss, tile, next);
       __syncthreads();  // the tile's last shared-memory readers, before the next tile's writers
     }
   }

@@ -12,13 +12,13 @@
 
 
 // Bumped whenever FqtBwdChunkArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_CHUNK_ABI_VERSION 5
+#define FQT_BWD_CHUNK_ABI_VERSION 6
 
 extern "C" {
 // Every tensor is on the device, in the chunk layout of the batched backward ([chunks, H, 64, D],
 // pad rows zero), fp32 but for the chains' 16-bit results and q, k, v and dout, whose element
-// types qk_dtype and vd_dtype name (fqt::InputDtype: fp32, fp16 or bf16); q and k per q/k head,
-// everything else per v-head. q, k, v, dout, beta and gamma are read and the five outputs written
+// types qk_dtype and vd_dtype name (fqt::InputDtype: fp32, fp16 or bf16); q, k, dq and dk per q/k
+// head (dq and dk summed over its v-heads), everything else per v-head. q, k, v, dout, beta and gamma are read and the five outputs written
 // through their element strides (chunk, head, row; columns contiguous; for q, k, v, dout every
 // stride whole 16-byte pieces and the base 16-byte aligned, for dq, dk, dv a multiple of 2 and
 // 8 bytes), the rest is contiguous.
@@ -43,8 +43,8 @@ typedef struct FqtBwdChunkArgs {
   const void* dvn;        // unit_d dVn [chunks, Hv, 64, V], 16-bit
   const float* unit_u;    // [chunks, Hv] powers of two
   const float* unit_d;    // [chunks, Hv]
-  float* dq;              // [chunks, Hv, 64, K]
-  float* dk;              // [chunks, Hv, 64, K]
+  float* dq;              // [chunks, Hqk, 64, K], summed over the q/k head's v-heads
+  float* dk;              // [chunks, Hqk, 64, K], summed so
   float* dv;              // [chunks, Hv, 64, V]
   float* dbeta;           // [chunks, Hv, 64]
   float* dg;              // [chunks, Hv, 64]
@@ -54,8 +54,8 @@ typedef struct FqtBwdChunkArgs {
 
 namespace fqt {
 
-// Checks what the kernel relies on, then launches one CTA per (chunk, v-head), or one per SM that
-// walks them (Cfg::Walk).
+// Checks what the kernel relies on, then launches one CTA per (chunk, q/k head), which computes
+// its v-heads' tiles in order, or one per SM that walks them (Cfg::Walk).
 template <class Cfg>
 cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
   using Elem = typename Cfg::Elem;
@@ -64,7 +64,7 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
   if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
       !std::isfinite(a->dout_scale) || !valid_input_dtype(a->qk_dtype) || !valid_input_dtype(a->vd_dtype))
     return cudaErrorInvalidValue;
-  // the grid's x is chunks * Hv (< 2^31)
+  // the tiles chunks * Hv (and so the grid's x, chunks * Hqk) fewer than 2^31
   if (a->num_chunks * a->num_heads >= (int64_t(1) << 31)) return cudaErrorInvalidValue;
   if (a->num_chunks == 0) return cudaSuccess;
   const void* inputs[] = {a->q, a->k, a->v, a->dout, a->beta, a->gamma, a->a0, a->state,
@@ -107,7 +107,7 @@ cudaError_t chunk_grad_launch(const FqtBwdChunkArgs* a, cudaStream_t stream) {
                          strides(a->dq_strides), strides(a->dk_strides), strides(a->dv_strides),
                          strides(a->dbeta_strides), strides(a->dg_strides),
                          a->num_chunks, a->dout_scale, a->num_heads, a->num_qk_heads, a->qk_dtype, a->vd_dtype};
-  int64_t ctas = a->num_chunks * a->num_heads;  // one a tile, or one per SM walking them (Cfg::Walk)
+  int64_t ctas = a->num_chunks * a->num_qk_heads;  // one an item, or one per SM walking them (Cfg::Walk)
   if constexpr (Cfg::Walk) {
     int device = 0, sms = 0;
     cudaError_t e = cudaGetDevice(&device);

@@ -10,7 +10,10 @@
 //   A    = Gamma * X                       fp32 [64, 64] (and X itself, for the step after the chains)
 //   u    = (A diag(b)) V                   fp32 [64, V]   (stored as the chain's add tiles)
 //   w    = diag(d) (X diag(b)) K           16-bit [64, K]  (= (A diag(b)) diag(d) K: the gate cancels)
-//   Kd   = diag(f) K,  D Q = diag(d) Q     16-bit [64, K]
+//   Kd   = diag(f) K                       16-bit [64, K]
+//   m D Q = m diag(d) Q                    16-bit [64, K]  (m: qd_scale, the mantissa of the op's
+//                                                          scale m 2^e; the chains take 2^e dO
+//                                                          times a power of two, which rounds exactly)
 //   P^T dO = scale (Gamma * Q K^T)^T dO    fp32 [64, V]   (the add tiles too; scale: dout_scale)
 //   gamma fp32 [64], e^{gamma_C} fp32
 //
@@ -112,8 +115,9 @@ struct BwdPrepTiles {
   cute::array_aligned<Elem, cosize_v<typename Cfg::LayoutVT>, 1024> dout; // dO, scaled
 };
 
-// The operand tiles' scales: kUnitV, kUnitDo, kUnitTm, kUnitXb, kUnitP.
-enum : int { kUnitV = 0, kUnitDo = 1, kUnitTm = 2, kUnitXb = 3, kUnitP = 4, kUnits = 5 };
+// The operand tiles' scales: kUnitV, kUnitDo, kUnitTm, kUnitXb, kUnitP; and the slot of u's largest
+// magnitude (u_amax), which scales nothing here.
+enum : int { kUnitV = 0, kUnitDo = 1, kUnitTm = 2, kUnitXb = 3, kUnitP = 4, kUnitU = 5, kUnits = 6 };
 
 template <class Cfg>
 struct alignas(1024) BwdPrepSharedStorage {
@@ -147,8 +151,12 @@ struct BwdPrepParams {
   // the largest |dO| (without dout_scale) of the tile, [chunks, Hv] (cta_amax: a NaN is not seen,
   // it is in the tile itself); null: not written
   float* dout_amax;
+  // the largest |u| of the tile as stored, [chunks, Hv] (as dout_amax: a NaN is not seen); null: not
+  // written
+  float* u_amax;
   int64_t num_chunks;
   float dout_scale;             // the op's scale, folded into P^T dO
+  float qd_scale;               // the mantissa m of the op's scale m 2^e, folded into D Q
   int32_t num_heads;            // Hv
   int32_t num_qk_heads;         // Hqk
 };
@@ -233,8 +241,9 @@ __device__ __forceinline__ void store_scaled_rows(const BwdPrepParams<Cfg>& p, t
     const int64_t off = (vrow0 + r) * K + c;
     store_global_8(p.kd + off, pack2<Elem>(f * float(kv[0]), f * float(kv[1])),
                    pack2<Elem>(f * float(kv[2]), f * float(kv[3])));
-    store_global_8(p.qd + off, pack2<Elem>(d * float(qv[0]), d * float(qv[1])),
-                   pack2<Elem>(d * float(qv[2]), d * float(qv[3])));
+    const float ds = d * p.qd_scale;
+    store_global_8(p.qd + off, pack2<Elem>(ds * float(qv[0]), ds * float(qv[1])),
+                   pack2<Elem>(ds * float(qv[2]), ds * float(qv[3])));
   }
   p.gamma[vrow0 + ptid] = gam[ptid];
   ss.d[ptid] = expf(gam[ptid]);
@@ -315,14 +324,19 @@ __device__ __forceinline__ void store_rows(Out* out, int n_cols, const Acc& acc,
 
 // The same tile of fp32 values as row blocks of BlockV columns: column c of row r at
 // out[(c / BlockV) * rows * BlockV + r * BlockV + c % BlockV] (the chain kernels' add tiles).
+// Returns the largest magnitude this thread stored, exactly where factor is a power of two.
 template <int BlockV, class Acc, class Crd>
-__device__ __forceinline__ void store_column_tiles(float* out, const Acc& acc, const Crd& crd, float factor) {
+__device__ __forceinline__ float store_column_tiles(float* out, const Acc& acc, const Crd& crd, float factor) {
+  float amax = 0.f;  // of the accumulator, fmaxf: a NaN is not seen
   CUTE_UNROLL
   for (int e = 0; e < size(acc); e += 2) {
     const int r = get<0>(crd(e)), col = get<1>(crd(e));
     *reinterpret_cast<float2*>(out + int64_t(col / BlockV) * kChunk * BlockV + r * BlockV + col % BlockV) =
         make_float2(factor * acc(e), factor * acc(e + 1));
+    amax = fmaxf(amax, fmaxf(fabsf(acc(e)), fabsf(acc(e + 1))));
   }
+  // a power-of-two factor scales every value exactly, so the largest stored is factor times it
+  return fabsf(factor) * amax;
 }
 
 // One wgmma GEMM (64, N) = sA sB over the chunk's 64 rows, waited for, then stored by `store`
@@ -358,8 +372,9 @@ __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typen
   const float inv_u = ss.inverse[kUnitTm] * ss.inverse[kUnitV];
   const float inv_p = ss.inverse[kUnitP] * ss.inverse[kUnitDo] * p.dout_scale;
   const float inv_w = ss.inverse[kUnitXb];
+  float u_max[1];  // this thread's largest |u|
   gemm_and_store<typename Cfg::MmaU, V>(sTm, sV, tid, [&](const auto& acc, const auto& crd) {
-    store_column_tiles<Cfg::AddBlockV>(p.u + vrow0 * V, acc, crd, inv_u);
+    u_max[0] = store_column_tiles<Cfg::AddBlockV>(p.u + vrow0 * V, acc, crd, inv_u);
   });
   gemm_and_store<typename Cfg::MmaP, V>(sPt, sDo, tid, [&](const auto& acc, const auto& crd) {
     store_column_tiles<Cfg::AddBlockV>(p.ptdo + vrow0 * V, acc, crd, inv_p);
@@ -367,6 +382,10 @@ __device__ __forceinline__ void operand_gemms(const BwdPrepParams<Cfg>& p, typen
   gemm_and_store<typename Cfg::MmaW, K>(sXb, sKt, tid, [&](const auto& acc, const auto& crd) {
     store_rows(p.w + vrow0 * K, K, acc, crd, [&](int r) { return ss.d[r] * inv_w; });
   });
+  if (p.u_amax) {   // the chains' unit for u is taken from it: of the values as stored
+    cta_amax<Cfg>(ss, u_max, kUnitU, tid);
+    if (tid == 0) p.u_amax[vrow0 / kChunk] = u_max[0];
+  }
 }
 
 // Grid: x = chunk * Hv + v-head. Block: 128 threads.

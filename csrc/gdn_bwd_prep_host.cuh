@@ -11,8 +11,9 @@
 #include <cmath>
 
 
-// Bumped whenever FqtBwdPrepArgs or an exported function changes (the Python mirror checks it).
-#define FQT_BWD_PREP_ABI_VERSION 3
+// Bumped whenever FqtBwdPrepArgs, an exported function or what an output holds changes (the Python
+// mirror checks it, so a library built for another meaning is refused, never read).
+#define FQT_BWD_PREP_ABI_VERSION 4
 
 extern "C" {
 // Every tensor is on the device in the padded chunk layout of the batched backward ([chunks, H,
@@ -24,6 +25,7 @@ typedef struct FqtBwdPrepArgs {
   int32_t num_qk_heads;       // Hqk, dividing Hv
   int64_t num_chunks;
   float dout_scale;           // the op's scale: ptdo is dout_scale P^T dO
+  float qd_scale;             // qd is qd_scale D Q (the backward passes the mantissa of dout_scale)
   int32_t add_block_v;        // the library's u / ptdo tile width (the chain kernels' block_v), checked
   const void* q;              // 16-bit [chunks, Hqk, 64, K]
   const void* k;              // 16-bit [chunks, Hqk, 64, K]
@@ -36,7 +38,7 @@ typedef struct FqtBwdPrepArgs {
   int32_t vd_dtype;           // fqt::InputDtype of v and dout
   void* w;                    // 16-bit [chunks, Hv, 64, K]: T D K
   void* kd;                   // 16-bit [chunks, Hv, 64, K]: diag(e^{gamma_C - gamma}) K
-  void* qd;                   // 16-bit [chunks, Hv, 64, K]: D Q
+  void* qd;                   // 16-bit [chunks, Hv, 64, K]: qd_scale D Q
   float* u;                   // fp32 [chunks, Hv, V / add_block_v, 64, add_block_v]: T V
   float* ptdo;                // fp32, as u: dout_scale P^T dO
   float* decay;               // fp32 [chunks, Hv]: e^{gamma_C}
@@ -44,6 +46,7 @@ typedef struct FqtBwdPrepArgs {
   float* a;                   // fp32 [chunks, Hv, 64, 64]: Gamma * A0; null: not written
   float* a0;                  // fp32 [chunks, Hv, 64, 64]: A0; null: not written
   float* dout_amax;           // fp32 [chunks, Hv]: the largest |dout| of each tile; null: not written
+  float* u_amax;              // fp32 [chunks, Hv]: the largest |u| of each tile as stored; null: not written
 } FqtBwdPrepArgs;
 }
 
@@ -55,7 +58,8 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   using Prep = typename Cfg::Prep;
   if (a == nullptr) return cudaErrorInvalidValue;
   if (a->num_heads <= 0 || a->num_qk_heads <= 0 || a->num_heads % a->num_qk_heads || a->num_chunks < 0 ||
-      a->add_block_v != Cfg::AddBlockV || !std::isfinite(a->dout_scale) || !valid_input_dtype(a->vd_dtype))
+      a->add_block_v != Cfg::AddBlockV || !std::isfinite(a->dout_scale) || !std::isfinite(a->qd_scale) ||
+      !valid_input_dtype(a->vd_dtype))
     return cudaErrorInvalidValue;
   // TMA coordinates are int32 (the q/k rows), and so is the grid's x (chunks * Hv).
   if (a->num_chunks * a->num_qk_heads * kChunk >= (int64_t(1) << 31) || a->num_chunks * a->num_heads >= (int64_t(1) << 31))
@@ -99,8 +103,10 @@ cudaError_t bwd_prep_dispatch(const FqtBwdPrepArgs* a, cudaStream_t stream) {
   p.a = a->a;
   p.a0 = a->a0;
   p.dout_amax = a->dout_amax;
+  p.u_amax = a->u_amax;
   p.num_chunks = a->num_chunks;
   p.dout_scale = a->dout_scale;
+  p.qd_scale = a->qd_scale;
   p.num_heads = a->num_heads;
   p.num_qk_heads = a->num_qk_heads;
   const dim3 grid(unsigned(a->num_chunks * a->num_heads));

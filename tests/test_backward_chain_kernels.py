@@ -123,6 +123,26 @@ def test_chain_units_are_powers_of_two_per_sequence_and_head():
     assert torch.equal(chunked_torch.tile_amax(x.bfloat16()), x.bfloat16().abs().amax(dim=(2, 3)).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_chains_operand_is_the_unit_scaled_input_rounded_once(dtype):
+    """chain_operand: unit * x in the operand dtype, contiguous, from a strided view, rounded once
+    (as float64 then fp16 would round it), the unit's NaN kept; it is what the chains take for dO."""
+    grid = chunked_torch.chunk_grid((0, 64, 192), torch.device("cpu"))
+    rows = (torch.randn(192, 3, 16) * 1e-6).to(dtype)      # token rows [T, H, V]
+    view = rows.view(3, 64, 3, 16).transpose(1, 2)            # the chunk layout's in-place view
+    unit, per_chunk = chunked_torch._chain_units(grid, chunked_torch.tile_amax(view), None, per_chunk_scale=0.125)
+    per_chunk = per_chunk.clone()
+    per_chunk[2, 1] = float("nan")
+    out = chunked_torch.chain_operand(view, per_chunk, torch.float16)
+    assert out.dtype == torch.float16 and out.is_contiguous() and out.shape == view.shape
+    want = (view.double() * per_chunk.double()).to(torch.float16)
+    assert torch.equal(out[~torch.isnan(want)], want[~torch.isnan(want)])
+    assert torch.isnan(out[2, 1]).all() and not torch.isnan(out[:2]).any()
+    peaks = out.float().abs().amax(dim=(2, 3))               # 0.125 unit |x| in [1, 2): |unit x| in [8, 16)
+    assert (peaks[0] >= 8).all() and (peaks[0] < 16).all()   # sequence 0: chunk 0
+    assert (peaks[1:].nan_to_num(0).amax(0)[[0, 2]] >= 8).all() and (peaks[1:].nan_to_num(0) < 16).all()
+
+
 def test_a_failed_library_is_tried_again_once_a_pack_offers_one(tmp_path, monkeypatch):
     """"auto" remembers a failure (one warning), but a library offered afterwards (a pack loaded) is
     tried; an offered file that does not match its sha256 is refused each time it is opened."""

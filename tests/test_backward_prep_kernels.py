@@ -84,7 +84,7 @@ def test_value_rows_of_another_dtype_are_refused():
 # ---------------------------------------------------------------- the backward's wiring, on the CPU
 
 def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, gate_free_inverse=True,
-                        out=None):
+                        out=None, qd_scale=1.0):
     """A stand-in for prep_kernels.backward_prep on any device: the same outputs from the same
     inputs, computed as chunked_torch's torch pieces (fp32), the chain operands rounded to the
     operand dtype, u and P^T dO in the chain kernels' add tiles."""
@@ -109,10 +109,10 @@ def torch_backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=Tr
     op = q.dtype
     bv = prep_kernels.spec_for(q.shape[-1], v.shape[-1]).add_block_v
     return prep_kernels.PrepPieces(
-        w=(Tm @ (d * kc)).to(op), kd=(f * kc).to(op), qd=(d * qc).to(op), u=chain_kernels.add_tiles(Tm @ v, bv),
+        w=(Tm @ (d * kc)).to(op), kd=(f * kc).to(op), qd=(qd_scale * d * qc).to(op), u=chain_kernels.add_tiles(Tm @ v, bv),
         ptdo=chain_kernels.add_tiles(dout_scale * P.transpose(-1, -2) @ dout, bv),
         decay=last.exp(), gamma=gamma, a=A if gated_inverse else None, a0=A0 if gate_free_inverse else None,
-        dout_amax=chunked_torch.tile_amax(dout))
+        dout_amax=chunked_torch.tile_amax(dout), u_amax=chunked_torch.tile_amax(Tm @ v))
 
 
 @pytest.mark.parametrize("name", ["varlen_tails_gva", "batched_vk_l2norm"])

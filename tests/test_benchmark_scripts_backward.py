@@ -323,15 +323,16 @@ def test_chunk_variants_refuses_bad_arguments(argv, message, capsys):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_chunk_variants_counts_what_each_cta_asks_for():
-    """Each CTA reads its q/k head's q and k tiles (the v-heads of a group read them again) and its own
-    tiles of every other input, and writes its outputs."""
+def test_chunk_variants_counts_what_each_tile_asks_for():
+    """Each tile (chunk, v-head) reads its q/k head's q and k tiles (the v-heads of a group read them
+    again) and its own tiles of every other input, and writes its outputs, dq and dk into its q/k
+    head's (once per v-head of the group)."""
     NC, hqk, hv = 3, 2, 8
     q = k = torch.zeros(NC, hqk, 64, 128)
     per_head = [torch.zeros(NC, hv, 64, 128)] * 4 + [torch.zeros(NC, hv, 64)] * 2 + [torch.zeros(NC, hv, 64, 64)]
     per_head += [torch.zeros(NC, hv, 128, 128)] * 2 + [torch.zeros(NC, hv, 64, 128)] * 2 + [torch.zeros(NC, hv)] * 2
-    outputs = [torch.zeros(NC, hv, 64, 128)] * 3 + [torch.zeros(NC, hv, 64)] * 2
-    ctas = NC * hv
+    outputs = [torch.zeros(NC, hqk, 64, 128)] * 2 + [torch.zeros(NC, hv, 64, 128)] + [torch.zeros(NC, hv, 64)] * 2
+    ctas = NC * hv   # tiles
     want = ctas * 4 * (2 * 64 * 128 + 4 * 64 * 128 + 2 * 64 + 64 * 64 + 2 * 128 * 128 + 2 * 64 * 128 + 2
                        + 3 * 64 * 128 + 2 * 64)
     assert chunk_variants.launch_bytes((q, k, *per_head), outputs, hv) == want

@@ -101,6 +101,8 @@ def per_chunk_case(seed, seqlens, hqk, hv, decay, h0, dht, size, qk):
                                                        P.transpose(-1, -2) @ dOs, h0_t, dht_t)
     want = chunked_torch.per_chunk_gradients(qc, kc, vc, bc, dOs, gamma, Gamma, A0, A, Tm, Kdd, QK, h, dh_out, Vn,
                                              dVn)
+    # the kernel's dq and dk are per q/k head, summed over its v-heads
+    want = tuple(x.view(x.shape[0], hqk, group, *x.shape[2:]).sum(2) if i < 2 else x for i, x in enumerate(want))
     f32 = lambda t: t.float().contiguous()  # noqa: E731
     _, unit_u = chunked_torch._chain_units(grid, chunked_torch.tile_amax(f32(u)), None if h0_t is None else f32(h0_t))
     _, unit_d = chunked_torch._chain_units(grid, chunked_torch.tile_amax(f32(dOs)),
@@ -132,7 +134,7 @@ def test_kernel_matches_float64_step3(name, variant):
     for seed in range(3):
         want, inputs = per_chunk_case(100 * seed + 3, *KERNEL_CASES[name])
         NC = inputs[0].shape[0]
-        out = (nan_like(NC, hv, 64, K), nan_like(NC, hv, 64, K), nan_like(NC, hv, 64, V), nan_like(NC, hv, 64),
+        out = (nan_like(NC, hqk, 64, K), nan_like(NC, hqk, 64, K), nan_like(NC, hv, 64, V), nan_like(NC, hv, 64),
                nan_like(NC, hv, 64))
         got = chunk_kernels.chunk_gradients(*inputs, out=out, spec=VARIANTS[variant])
         torch.cuda.synchronize()
@@ -150,14 +152,21 @@ def test_kernel_matches_float64_step3(name, variant):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_repeated_and_shared_qk_heads_agree(variant):
     """q and k per q/k head (each v-head reads its own) or repeated over the v-heads: the same bits,
-    and the same bits again on a second run (no atomics)."""
+    dq and dk summed over the v-heads in their order (the kernel's sum) from the repeated run's
+    per-v-head ones; and the same bits again on a second run (no atomics)."""
     _, inputs = per_chunk_case(9, [300, 130], 2, 8, "mixed", True, True, 1.0, "unit")
     spec = VARIANTS[variant]
     shared = chunk_kernels.chunk_gradients(*inputs, spec=spec)
     again = chunk_kernels.chunk_gradients(*inputs, spec=spec)
     q, k = (x.repeat_interleave(4, dim=1).contiguous() for x in inputs[:2])
-    repeated = chunk_kernels.chunk_gradients(q, k, *inputs[2:], spec=spec)
+    repeated = list(chunk_kernels.chunk_gradients(q, k, *inputs[2:], spec=spec))
     torch.cuda.synchronize()
+    for i in (0, 1):   # per v-head -> per q/k head, v-head by v-head
+        heads = repeated[i].view(repeated[i].shape[0], 2, 4, *repeated[i].shape[2:])
+        total = heads[:, :, 0]
+        for j in range(1, 4):
+            total = total + heads[:, :, j]
+        repeated[i] = total
     for what, a, b, c in zip(OUTPUTS, shared, repeated, again):
         assert torch.equal(a, b), what
         assert torch.equal(a, c), what

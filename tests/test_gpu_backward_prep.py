@@ -48,8 +48,9 @@ CASES = {
 
 
 def reference_pieces(qc, kc, vc, dOs, gc, bc, group, dout_scale=K ** -0.5):
-    """chunked_torch's state-independent pieces (its code, in the inputs' float64), and the tiles'
-    largest |dO| (without the scale)."""
+    """chunked_torch's state-independent pieces (its code, in the inputs' float64; D Q times the
+    mantissa of the op's scale, as the backward has the kernel write it for the chains), and the
+    tiles' largest |dO| (without the scale) and |u|."""
     qc, kc = qc.repeat_interleave(group, dim=1), kc.repeat_interleave(group, dim=1)
     gamma = gc.cumsum(-1)
     gamma_last = gamma[..., -1]
@@ -61,8 +62,9 @@ def reference_pieces(qc, kc, vc, dOs, gc, bc, group, dout_scale=K ** -0.5):
     f = (gamma_last[..., None] - gamma).exp()[..., None]
     P = Gamma * (qc @ kc.transpose(-1, -2))
     u = Tm @ vc
-    return dict(w=Tm @ (d * kc), kd=f * kc, qd=d * qc, u=u, ptdo=P.transpose(-1, -2) @ dOs,
-                decay=gamma_last.exp(), gamma=gamma, a=A, a0=A0, dout_amax=dOs.abs().amax(dim=(2, 3)) / dout_scale)
+    return dict(w=Tm @ (d * kc), kd=f * kc, qd=chunked_torch.split_scale(dout_scale)[0] * d * qc, u=u, ptdo=P.transpose(-1, -2) @ dOs,
+                decay=gamma_last.exp(), gamma=gamma, a=A, a0=A0, dout_amax=dOs.abs().amax(dim=(2, 3)) / dout_scale,
+                u_amax=u.abs().amax(dim=(2, 3)))
 
 
 def draw(seed, seqlens, hqk, hv, decay, do_size=1.0):
@@ -86,6 +88,7 @@ def draw(seed, seqlens, hqk, hv, decay, do_size=1.0):
     kernel_in = dict(q=to_c(f32["q"]).to(op, memory_format=torch.contiguous_format),
                      k=to_c(f32["k"]).to(op, memory_format=torch.contiguous_format),
                      v=to_c(f32["v"]), dout=to_c(f32["do"]), dout_scale=scale,
+                     qd_scale=chunked_torch.split_scale(scale)[0],
                      g=to_c(f32["g"]).contiguous(), beta=to_c(f32["beta"]).contiguous())
     return grid, ref_in, kernel_in
 
@@ -95,7 +98,7 @@ def poisoned(NC, Hv, op):
     return prep_kernels.PrepPieces(
         w=nan(NC, Hv, 64, K, dt=op), kd=nan(NC, Hv, 64, K, dt=op), qd=nan(NC, Hv, 64, K, dt=op),
         u=nan(NC, Hv, V // BLOCK_V, 64, BLOCK_V), ptdo=nan(NC, Hv, V // BLOCK_V, 64, BLOCK_V), decay=nan(NC, Hv), gamma=nan(NC, Hv, 64),
-        a=nan(NC, Hv, 64, 64), a0=nan(NC, Hv, 64, 64), dout_amax=nan(NC, Hv))
+        a=nan(NC, Hv, 64, 64), a0=nan(NC, Hv, 64, 64), dout_amax=nan(NC, Hv), u_amax=nan(NC, Hv))
 
 
 def compare(name, seed, got, want, only=None) -> str:
@@ -131,7 +134,9 @@ def test_prep_kernel_matches_float64_torch_pieces(name):
         assert torch.allclose(got.a[spare], eye.expand_as(got.a[spare]), rtol=0, atol=1e-6), name
         assert torch.equal(got.a0[spare], eye.expand_as(got.a0[spare])), name
         assert (got.decay[spare] == 1).all() and (got.gamma[spare] == 0).all(), name
-        assert all((t[spare] == 0).all() for t in (got.w, got.kd, got.qd, got.u, got.ptdo, got.dout_amax)), name
+        assert all((t[spare] == 0).all() for t in (got.w, got.kd, got.qd, got.u, got.ptdo, got.dout_amax, got.u_amax)), name
+        # u's largest magnitude is the stored u's, exactly (the chains' unit for u is taken from it)
+        assert torch.equal(got.u_amax, chunked_torch.tile_amax(got.u)), name
         print(line)
         LOG.append(line)
 
@@ -148,7 +153,7 @@ def test_16_bit_values_give_the_bits_of_their_fp32_copies(dtype):
     got = prep_kernels.backward_prep(**narrow, out=poisoned(grid.num_chunks, 8, op))
     want = prep_kernels.backward_prep(**wide, out=poisoned(grid.num_chunks, 8, op))
     torch.cuda.synchronize()
-    for what in ("w", "kd", "qd", "u", "ptdo", "decay", "gamma", "a", "a0", "dout_amax"):
+    for what in ("w", "kd", "qd", "u", "ptdo", "decay", "gamma", "a", "a0", "dout_amax", "u_amax"):
         a, b = getattr(got, what), getattr(want, what)
         assert torch.isfinite(a).all() and torch.equal(a, b), f"{dtype}: {what}"
 
@@ -166,7 +171,7 @@ def test_a_nan_in_v_or_do_reaches_its_tiles_terms():
     torch.cuda.synchronize()
     u, ptdo = chain_kernels.from_add_tiles(got.u), chain_kernels.from_add_tiles(got.ptdo)
     assert torch.isnan(u[2, 0]).any() and torch.isnan(ptdo[3, 0]).any()
-    assert torch.isfinite(got.dout_amax).all()
+    assert torch.isfinite(got.dout_amax).all() and torch.isfinite(got.u_amax).all()
 
 
 @pytest.mark.parametrize("do_size", [3e-9, 3e4])

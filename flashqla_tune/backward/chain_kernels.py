@@ -9,9 +9,10 @@ CUDA devices in place of its two loops over chunk positions:
   dS_c = e^{gamma_C} dS_{c+1} + (D Q)^T (scale dO) - w^T dVn, from dht or zeros, ending at dh0.
 
 Their inputs are the batched part's per-chunk tensors in its padded chunk layout [chunks, Hv, 64, D]
-(pad rows zero): w, Kd and D Q and the scaled dO as the 16-bit wgmma operands (`OPERAND_DTYPE`,
+(pad rows zero): w, Kd, D Q and dO as the 16-bit wgmma operands (the scale split between the last two) (`OPERAND_DTYPE`,
 fp16 by default: three more mantissa bits than bf16; chunked_torch hands each chain its inputs
-scaled near unit magnitude per (sequence, v-head), so a training step's loss scale does not decide
+scaled by a power of two per (sequence, v-head) that takes them near unit magnitude (dO to within
+a factor of 4 of it), so a training step's loss scale does not decide
 the range; the states themselves, rounded to fp16 as A operands, must stay below 65504 after that
 scaling, which normalised k and a decaying gate keep them far from),
 u and scale P^T dO in fp32, e^{gamma_C} in fp32. The chains accumulate in fp32; the start and end
@@ -219,7 +220,8 @@ def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=Tru
                     ptdo_scale=None):
     """The reverse chain of the state gradient, on the device's current stream.
 
-    w, kd, qd (D Q) [chunks, Hv, 64, K] and dout (scale dO) [chunks, Hv, 64, V] in the operand dtype;
+    w, kd, qd [chunks, Hv, 64, K] and dout [chunks, Hv, 64, V] in the operand dtype, qd^T dout being
+    (D Q)^T scale dO (the backward passes m D Q and 2^e dO for scale m 2^e: chunked_torch.split_scale);
     ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32 or its add_tiles layout, taken times ptdo_scale
     [chunks, Hv] fp32 per chunk where given (dout must then carry the same factor); decay, segments, window_log_decay as for chain_states; dht fp32
     [N, Hv, K, V] or None (zeros). Returns (dS_{c+1} [chunks, Hv, K, V], dVn [chunks, Hv, 64, V] or

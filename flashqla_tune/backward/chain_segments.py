@@ -6,8 +6,10 @@ split a segment is a whole sequence. With the forward call's warm-up tables
 cut where the forward cuts it, every `L` chunks, L from the table entry of the sequence's own
 chunk count, so a sequence's segmentation depends on its length alone (batch invariance). At
 each boundary the kernel either warms up over the head's window from zero (stores nothing for
-it) or, where the guard refuses the window, walks from the sequence's own start (states) or end
-(gradients): csrc/gdn_bwd_chain.cuh, and docs/backward.md for the bound.
+it) or, where the guard refuses the window, chains it exactly from the sequence's own start
+(states) or end (gradients), the walk from there going on through such boundaries:
+csrc/gdn_bwd_chain.cuh chain_range, and docs/backward.md for the bound. A sequence's segments are
+adjacent rows of the table, in order (the kernel joins only rows that continue each other).
 
 Everything here runs as device ops on the chunk layout's device offsets: nothing waits for the
 GPU, so a backward with a split can be captured in a CUDA graph. The host knows only the call's

@@ -3,9 +3,10 @@
 Step 3 of chunked_torch's backward as one kernel launch: once the chains (chain_kernels) have given
 every chunk's incoming state S_c and outgoing state gradient dS_{c+1}, `chunk_gradients` computes,
 per (chunk, v-head), dq, dk, dv, dbeta and dg (the reverse cumulative sum over the chunk already
-applied), all per v-head in the padded chunk layout [chunks, Hv, 64, .], fp32, through the output
-buffers' strides: the backward hands it views of token-major chunks, so that each gradient goes back
-to token rows in one row gather (the v-heads summed per q/k head before it).
+applied), in the padded chunk layout [chunks, H, 64, .], fp32: dq and dk per q/k head, summed over
+its v-heads in the kernel, the rest per v-head; through the output buffers' strides: the backward
+hands it views of token-major chunks, so that each gradient goes back to token rows in one row
+gather.
 
 Its inputs are the batched backward's per-chunk tensors: q and k per q/k head (not repeated over
 the v-heads: the kernel reads each v-head's q/k head), v and dO, these four in the call's dtype
@@ -36,7 +37,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_chunk.cu.j2"
-ABI_VERSION = 5      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
+ABI_VERSION = 6      # csrc/gdn_bwd_chunk_host.cuh FQT_BWD_CHUNK_ABI_VERSION
 
 
 class ChunkKernelError(BackwardKernelError):
@@ -48,8 +49,9 @@ class ChunkKernelError(BackwardKernelError):
 class ChunkSpec(LibrarySpec):
     """What one per-chunk gradient library is compiled for: the operand dtype, the head dims, the
     warp groups of a CTA (two split every GEMM's output columns between them; K = V = 128), and
-    whether a CTA walks tiles (walk: one CTA per SM takes tile after tile and has L2 fetch its next
-    tile's inputs while it computes the current one; else one CTA per tile)."""
+    whether a CTA walks (walk: one CTA per SM takes (chunk, q/k head) after (chunk, q/k head), each
+    its v-heads' tiles in order, and has L2 fetch its next tile's inputs while it computes the current
+    one; else one CTA per (chunk, q/k head))."""
     operand_dtype: str = "float16"
     head_k_dim: int = 128
     head_v_dim: int = 128
@@ -188,8 +190,9 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
     and contiguous fp32: a0 [chunks, Hv, 64, 64]; unit_u, unit_d [chunks, Hv] (powers of two); and in the
     spec's operand dtype, as the chains store them: state (unit_u S_c) and dstate (unit_d dS_{c+1})
     [chunks, Hv, K, V], vn (unit_u Vn) and dvn (unit_d dVn) [chunks, Hv, 64, V].
-    Returns (dq [chunks, Hv, 64, K], dk [chunks, Hv, 64, K], dv [chunks, Hv, 64, V],
-    dbeta [chunks, Hv, 64], dg [chunks, Hv, 64]), fp32 and unscaled, written into `out` (those
+    Returns (dq [chunks, Hqk, 64, K], dk [chunks, Hqk, 64, K] (each summed over the q/k head's
+    v-heads, in v-head order), dv [chunks, Hv, 64, V], dbeta [chunks, Hv, 64], dg [chunks, Hv, 64]),
+    fp32 and unscaled, written into `out` (those
     five buffers, of any strides _strides allows for writing, no two elements at one address) when
     given: the backward passes views of token-major chunks ([chunks, 64, Hv, D] in memory). spec: the library to launch (default spec_for(K, V), the backward's;
     a benchmark passes the variants it compares)."""
@@ -219,9 +222,9 @@ def chunk_gradients(q, k, v, dout, beta, gamma, a0, state, dstate, vn, dvn, unit
                            ("vn", vn, (NC, Hv, C, V)), ("dvn", dvn, (NC, Hv, C, V))):
         check_tensor(name, t, shape, spec.torch_dtype, dev)   # the chains' results as they store them
     if NC * Hv >= 2 ** 31:
-        raise ValueError(f"{NC} chunks x {Hv} heads = {NC * Hv} CTAs: the grid is int32 (fewer than 2^31); "
+        raise ValueError(f"{NC} chunks x {Hv} heads = {NC * Hv} tiles: the kernel indexes them in int32 (fewer than 2^31); "
                          f"split the batch")
-    shapes = ((NC, Hv, C, K), (NC, Hv, C, K), (NC, Hv, C, V), (NC, Hv, C), (NC, Hv, C))
+    shapes = ((NC, Hqk, C, K), (NC, Hqk, C, K), (NC, Hv, C, V), (NC, Hv, C), (NC, Hv, C))
     if out is None:
         out = tuple(torch.empty(shape, dtype=f32, device=dev) for shape in shapes)
     elif len(out) != len(OUTPUTS):

@@ -35,6 +35,7 @@ there in lockstep.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -206,17 +207,14 @@ def token_major_chunks(num_chunks: int, heads: int, dims: tuple, device) -> tupl
     return buf, buf[:num_chunks].transpose(1, 2)
 
 
-def from_token_major_chunks(buf: torch.Tensor, grid: ChunkGrid, total_tokens: int, group: int = 1,
+def from_token_major_chunks(buf: torch.Tensor, grid: ChunkGrid, total_tokens: int,
                             dtype: torch.dtype | None = None) -> torch.Tensor:
-    """token_major_chunks' buffer [num_chunks + 1, CHUNK, H, D...] -> [T, H / group, D...] token rows
-    in `dtype` (default the buffer's; pad slots dropped, rows of no sequence zero), each run of
-    `group` neighbouring heads summed first (the v-heads of one q/k head) while the rows are still
-    contiguous, and rounded to `dtype` before the gather, which then moves the narrower rows."""
+    """token_major_chunks' buffer [num_chunks + 1, CHUNK, H, D...] -> [T, H, D...] token rows in
+    `dtype` (default the buffer's; pad slots dropped, rows of no sequence zero), rounded to `dtype`
+    before the gather, which then moves the narrower rows."""
     rows = buf.view(buf.shape[0] * CHUNK, *buf.shape[2:])
     if grid.identity:   # the chunks' rows are the tokens' (and the spare chunk past them is dropped)
         rows = rows[:grid.num_tokens]
-    if group > 1:
-        rows = rows.view(rows.shape[0], rows.shape[1] // group, group, *rows.shape[2:]).sum(2)
     if dtype is not None:
         rows = rows.to(dtype)
     if grid.dump_slot:   # a row of no sequence names row 0 of the zero chunk
@@ -378,7 +376,8 @@ def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
     """The state-independent pieces from the prep kernel (prep_kernels.backward_prep: the chains'
     inputs, gamma and A0), its library had (_prep_library_or_none). q_chunks, k_chunks [NC, Hqk,
     C, K] (normalised where the op normalises), vc and do_chunks views of the chunk layout (dO
-    without the scale, which the kernel folds into P^T dO) in the call's dtype or fp32, gc and bc
+    without the scale, which the kernel folds into P^T dO, and its mantissa into D Q: split_scale)
+    in the call's dtype or fp32, gc and bc
     [NC, Hv, C] fp32. Its u and scale P^T dO come in the chain kernels' tiles
     (chain_kernels.add_tiles)."""
     from . import prep_kernels
@@ -390,7 +389,7 @@ def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
     # in the operand dtype too: .to would hand it back as it is)
     q16, k16 = (torch.empty(x.shape, dtype=op, device=x.device).copy_(x) for x in (q_chunks, k_chunks))
     return prep_kernels.backward_prep(q16, k16, vc, do_chunks, gc.contiguous(), bc.contiguous(), dout_scale=scale,
-                                      gated_inverse=False)
+                                      gated_inverse=False, qd_scale=split_scale(scale)[0])
 
 
 def chunk_gated_delta_rule_bwd_torch(
@@ -510,22 +509,25 @@ def chunk_gated_delta_rule_bwd_torch(
         from . import chain_kernels
 
         op = chain_kernels.spec_for(K, V).torch_dtype
+        # the chains take the op's scale m 2^e split (split_scale): m in D Q (the prep kernel writes
+        # m D Q), 2^e with dO's unit, so that dO is only moved by a power of two before it rounds
+        scale_mantissa, scale_power = split_scale(scale)
         if pieces is not None:
             w_op, Kd_op, Qd_op, chunk_decay = pieces.w, pieces.kd, pieces.qd, pieces.decay
         else:
-            w_op, Kd_op, Qd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd", "Qd"))
+            w_op, Kd_op = (torch_pieces[n].to(op).contiguous() for n in ("w", "Kd"))
+            Qd_op = (scale_mantissa * torch_pieces["Qd"]).to(op).contiguous()
             chunk_decay = gamma_last.exp().contiguous()
         segments, guard = _chain_segments(grid, cp, B * T, gamma_last, bc, k_chunks, group)
         # the chains' units from each tile's largest magnitude: one reduction, or the prep kernel's
-        # for dO (read as it stages dO)
+        # (for dO read as it stages dO, for u as it stores u)
         dout_amax = pieces.dout_amax if pieces is not None else tile_amax(do_chunks)
-        unit_u, unit_u_c = _chain_units(grid, tile_amax(u), h0, offsets_agree)
+        unit_u, unit_u_c = _chain_units(grid, pieces.u_amax if pieces is not None else tile_amax(u), h0, offsets_agree)
         h, Vn, _ = chain_kernels.chain_states(w_op, Kd_op, u, chunk_decay, segments,
                                               None if h0 is None else (h0 * unit_u).contiguous(),
                                               window_log_decay=guard, u_scale=unit_u_c.view(NC, Hv))
         unit_d, unit_d_c = _chain_units(grid, dout_amax, dS_end, offsets_agree, per_chunk_scale=scale)
-        dout_op = torch.empty(do_chunks.shape, dtype=op, device=v.device)   # scaled and rounded in one pass
-        torch.mul(do_chunks, scale * unit_d_c, out=dout_op)
+        dout_op = chain_operand(do_chunks, unit_d_c * scale_power, op)
         dh_out, dVn, dS = chain_kernels.chain_gradients(
             w_op, Kd_op, Qd_op, dout_op, PtdO, chunk_decay, segments,
             None if dS_end is None else (dS_end * unit_d).contiguous(), window_log_decay=guard,
@@ -541,7 +543,9 @@ def chunk_gated_delta_rule_bwd_torch(
 
             # into token-major chunks with a spare zero chunk, so that each goes back to token rows
             # in one row gather (from_token_major_chunks)
-            token_major = tuple(token_major_chunks(NC, Hv, dims, v.device) for dims in ((K,), (K,), (V,), (), ()))
+            # (dq and dk per q/k head: the kernel sums them over its v-heads)
+            token_major = tuple(token_major_chunks(NC, heads, dims, v.device)
+                                for heads, dims in ((Hqk, (K,)), (Hqk, (K,)), (Hv, (V,)), (Hv, ()), (Hv, ())))
             chunk_kernels.chunk_gradients(
                 q_chunks, k_chunks, vc, do_chunks, bc, gamma, A0.contiguous(), h, dh_out, Vn, dVn,
                 unit_u_c.view(NC, Hv), unit_d_c.view(NC, Hv), dout_scale=scale,
@@ -569,8 +573,8 @@ def chunk_gated_delta_rule_bwd_torch(
     dqc, dkc, dvc, dbc, dgc = per_chunk
 
     def tokens(xc, dtype, heads_summed=False):
-        if token_major_out is not None:   # the kernel's token-major chunks
-            return from_token_major_chunks(xc, grid, B * T, group if heads_summed else 1, dtype)
+        if token_major_out is not None:   # the kernel's token-major chunks, dq and dk summed already
+            return from_token_major_chunks(xc, grid, B * T, dtype)
         if heads_summed:  # v-heads -> their q/k head
             xc = xc.view(xc.shape[0], Hqk, group, *xc.shape[2:]).sum(2)
         return from_chunks(xc, grid, B * T).to(dtype)
@@ -638,17 +642,36 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
     if cp is not None and cp.splits:
         most = cp.bound(total_rows, grid.num_seqs)
         if most > grid.num_seqs:
-            key_norms = k_chunks.float().square().sum(-1).repeat_interleave(group, dim=1)   # [NC, Hv, C]
+            # |k|^2 in one fp32 reduction over k as it is held, no fp32 copy of k   [NC, Hv, C]
+            key_norms = torch.linalg.vector_norm(k_chunks, dim=-1, dtype=torch.float32).square()
+            key_norms = key_norms.repeat_interleave(group, dim=1)
             return (chain_segments.split_sequences(grid.chunk_offsets, cp.segment_chunks, most, cp.warmup, cp.log_eps),
                     chain_segments.window_log_decay(gamma_last, bc, key_norms))
     return chain_segments.whole_sequences(grid.chunk_offsets), None
 
 
+def split_scale(scale: float) -> tuple[float, float]:
+    """The op's scale as m 2^e: (m, 2^e), 1/2 <= |m| < 1 (math.frexp; (0, 0) for a zero scale, whose
+    dO term is then zero, not 0 times an overflow). The chains take m in D Q and 2^e with dO's unit, so
+    dO is moved by a power of two only and its largest magnitude lands near 1 whatever the scale."""
+    mantissa, exponent = math.frexp(scale)
+    return mantissa, (math.ldexp(1.0, exponent) if scale != 0.0 else 0.0)
+
+
+def chain_operand(per_chunk: torch.Tensor, unit: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """unit * per_chunk as a contiguous `dtype` tensor, per_chunk [NC, Hv, C, D] (any strides) and unit
+    [NC, Hv, 1, 1] fp32 powers of two, rounded once: the product is exact in bf16 (a power of two only
+    moves the exponent, and bf16 has fp32's exponent range) and in fp32 (fp16 and fp32 inputs), and
+    is rounded to `dtype` as it is copied into the contiguous result."""
+    factor = unit.to(torch.bfloat16) if per_chunk.dtype == torch.bfloat16 else unit.float()
+    return torch.empty(per_chunk.shape, dtype=dtype, device=per_chunk.device).copy_(per_chunk * factor)
+
+
 def tile_amax(per_chunk: torch.Tensor) -> torch.Tensor:
     """The largest |x| of each (chunk, v-head) tile of per_chunk [NC, Hv, ...], fp32 [NC, Hv] (exact:
     the largest of a 16-bit tile's values is one of them), NaN where the tile holds a NaN: one
-    reduction, no |x| tensor. The prep kernel gives dO's itself (PrepPieces; there a NaN is not
-    seen, but it flows on in dO itself, so a sequence with one still has non-finite results)."""
+    reduction, no |x| tensor. The prep kernel gives dO's and u's itself (PrepPieces; there a NaN is
+    not seen, but it flows on in the values, so a sequence with one still has non-finite results)."""
     return torch.linalg.vector_norm(per_chunk, float("inf"), dim=tuple(range(2, per_chunk.dim()))).float()
 
 

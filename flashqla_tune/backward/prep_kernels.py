@@ -3,7 +3,7 @@
 One kernel launch computes, for every chunk and v-head, what chunked_torch batches in torch before
 its chains: the chain kernels' inputs w, Kd and D Q (in the chains' 16-bit operand dtype), u and
 scale P^T dO (fp32, in the tiles the chains read: chain_kernels.add_tiles), e^{gamma_C} and each
-tile's largest |dO| (the chains' unit for dO is taken from it), and for the per-chunk
+tile's largest |dO| and |u| (the chains' units are taken from them), and for the per-chunk
 gradients gamma, A = Gamma * A0 and A0 (fp32), all else in the padded chunk layout [chunks, Hv,
 64, D]. It reads the chunk layout too: q and k [chunks, Hqk, 64, K] in the operand dtype
 (normalised by torch where the op normalises), v and dO [chunks, Hv, 64, V] in the call's dtype,
@@ -28,7 +28,7 @@ from .kernel_library import (CHUNK, ELEMENT_TYPES, BackwardKernelError, LibraryK
                              stream_handle)
 
 TEMPLATE_NAME = "gdn_bwd_prep.cu.j2"
-ABI_VERSION = 3      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
+ABI_VERSION = 4      # csrc/gdn_bwd_prep_host.cuh FQT_BWD_PREP_ABI_VERSION
 
 class PrepKernelError(BackwardKernelError):
     """The prep kernel cannot be built, loaded or launched here; the message says why."""
@@ -80,13 +80,13 @@ class PrepArgs(ctypes.Structure):
     """ctypes mirror of FqtBwdPrepArgs (csrc/gdn_bwd_prep_host.cuh); the library reports its size."""
     _fields_ = [
         ("num_heads", ctypes.c_int32), ("num_qk_heads", ctypes.c_int32), ("num_chunks", ctypes.c_int64),
-        ("dout_scale", ctypes.c_float), ("add_block_v", ctypes.c_int32),
+        ("dout_scale", ctypes.c_float), ("qd_scale", ctypes.c_float), ("add_block_v", ctypes.c_int32),
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("g", ctypes.c_void_p), ("beta", ctypes.c_void_p),
         ("v", ctypes.c_void_p), ("dout", ctypes.c_void_p),
         ("v_stride", ctypes.c_int64 * 3), ("dout_stride", ctypes.c_int64 * 3), ("vd_dtype", ctypes.c_int32),
         ("w", ctypes.c_void_p), ("kd", ctypes.c_void_p), ("qd", ctypes.c_void_p), ("u", ctypes.c_void_p),
         ("ptdo", ctypes.c_void_p), ("decay", ctypes.c_void_p), ("gamma", ctypes.c_void_p),
-        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p), ("dout_amax", ctypes.c_void_p),
+        ("a", ctypes.c_void_p), ("a0", ctypes.c_void_p), ("dout_amax", ctypes.c_void_p), ("u_amax", ctypes.c_void_p),
     ]
 
 
@@ -102,7 +102,7 @@ class PrepPieces:
     """The kernel's outputs, [chunks, Hv, ...] in the padded chunk layout."""
     w: torch.Tensor       # operand dtype [., 64, K]: T D K
     kd: torch.Tensor      # operand dtype [., 64, K]: diag(e^{gamma_C - gamma}) K
-    qd: torch.Tensor      # operand dtype [., 64, K]: D Q
+    qd: torch.Tensor      # operand dtype [., 64, K]: qd_scale D Q
     u: torch.Tensor       # fp32 [chunks, Hv, V / bv, 64, bv] (chain_kernels.add_tiles, bv = add_block_v): T V
     ptdo: torch.Tensor    # fp32, as u: scale P^T dO
     decay: torch.Tensor   # fp32 [chunks, Hv]: e^{gamma_C}
@@ -111,6 +111,8 @@ class PrepPieces:
     a0: torch.Tensor | None  # fp32 [., 64, 64]: A0
     dout_amax: torch.Tensor  # fp32 [chunks, Hv]: each tile's largest |dO|, the scale not applied (a NaN
                              # is not seen: it is in dO)
+    u_amax: torch.Tensor     # fp32 [chunks, Hv]: each tile's largest |u| as stored (a NaN is not seen: it
+                             # is in u)
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple, device, dtype: torch.dtype | None = None) -> None:
@@ -124,13 +126,14 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple, device, dtype: torch.d
 
 
 def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, gate_free_inverse=True,
-                  out=None) -> PrepPieces:
+                  out=None, qd_scale=1.0) -> PrepPieces:
     """The state-independent pieces of the backward, one launch on the device's current stream.
 
     q, k [chunks, Hqk, 64, K] contiguous in the operand dtype (PrepSpec.torch_dtype); v and dout
     (dO) [chunks, Hv, 64, V] of one dtype, fp32, fp16 or bf16, read in place in 16-byte pieces (last
     dim contiguous; views of the call's token rows qualify); g, beta fp32 [chunks, Hv, 64] contiguous;
-    all in the padded chunk layout (pad rows zero). dout_scale: the op's scale, folded into ptdo. gated_inverse / gate_free_inverse:
+    all in the padded chunk layout (pad rows zero). dout_scale: the op's scale, folded into ptdo; qd_scale: qd's factor (the backward passes the
+    mantissa of the op's scale: chunked_torch.split_scale). gated_inverse / gate_free_inverse:
     whether A and A0 are written. out: a PrepPieces of the caller's buffers (tests pass NaN-filled
     ones to see that every element is written)."""
     NC, Hqk, C, K = q.shape
@@ -152,11 +155,12 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
         raise ValueError(f"{NC} chunks x {max(Hqk, Hv)} heads x {CHUNK} rows: the prep kernel's TMA coordinates "
                          f"and grid are int32 (fewer than 2^31 rows); split the batch")
     bv = spec.add_block_v
-    if not math.isfinite(dout_scale):
-        raise ValueError(f"dout_scale={dout_scale} must be finite")
+    if not math.isfinite(dout_scale) or not math.isfinite(qd_scale):
+        raise ValueError(f"dout_scale={dout_scale} and qd_scale={qd_scale} must be finite")
     shapes = dict(w=(NC, Hv, C, K), kd=(NC, Hv, C, K), qd=(NC, Hv, C, K), u=(NC, Hv, V // bv, C, bv),
                   ptdo=(NC, Hv, V // bv, C, bv),
-                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C), dout_amax=(NC, Hv))
+                  decay=(NC, Hv), gamma=(NC, Hv, C), a=(NC, Hv, C, C), a0=(NC, Hv, C, C), dout_amax=(NC, Hv),
+                  u_amax=(NC, Hv))
     dtypes = dict(w=op, kd=op, qd=op)
     wanted = dict(a=gated_inverse, a0=gate_free_inverse)
     if out is None:
@@ -169,7 +173,8 @@ def backward_prep(q, k, v, dout, g, beta, dout_scale=1.0, gated_inverse=True, ga
                 raise ValueError(f"out.{n} is None but is asked for")
             if t is not None:
                 check_tensor(f"out {n}", t, s, dtypes.get(n, torch.float32), dev)
-    args = PrepArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, dout_scale=float(dout_scale), add_block_v=bv,
+    args = PrepArgs(num_heads=Hv, num_qk_heads=Hqk, num_chunks=NC, dout_scale=float(dout_scale),
+                    qd_scale=float(qd_scale), add_block_v=bv,
                     q=ptr(q), k=ptr(k), g=ptr(g), beta=ptr(beta),
                     v=ptr(v), dout=ptr(dout), v_stride=(ctypes.c_int64 * 3)(*v.stride()[:3]),
                     dout_stride=(ctypes.c_int64 * 3)(*dout.stride()[:3]), vd_dtype=input_dtype_code("v", v),
