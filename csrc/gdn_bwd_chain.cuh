@@ -236,7 +236,8 @@ __device__ __forceinline__ ChainWindow chain_window(const Params& p, const Chain
 // sequence's own start (end). Such a walk goes on through every following (Backward: preceding)
 // adjacent row whose boundary is chained exactly too (rows that continue each other in the table),
 // storing them all, and those rows' CTAs are idle: a row is idle where its boundary is chained
-// exactly and the row before it (after it) continues it and walks exactly itself. So a sequence
+// exactly and the row before it (after it) continues it with a boundary of its own that is not
+// warm (so that row is walked exactly, by its CTA or by the walk that reaches it). So a sequence
 // chained exactly is walked once, not once per segment; the arithmetic is the walk from the start
 // either way, so whichever CTA walks a chunk, it stores the same values. Idle (seq -1) too for an
 // unused slot or a sequence index out of range.

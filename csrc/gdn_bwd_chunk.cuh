@@ -405,10 +405,12 @@ __device__ __forceinline__ void store_global(const Acc& acc, const Crd& crd, flo
   CUTE_UNROLL
   for (int e = 0; e < size(acc); e += 2) {
     float2* at = reinterpret_cast<float2*>(base + (get<0>(crd(e)) - r0) * row_stride + (get<1>(crd(e)) - c0));
-    float2 x = make_float2(scale * acc(e), scale * acc(e + 1));
+    // each product rounded as a stored value is, then the sum rounded (no fused multiply-add), so
+    // the sum over the v-heads is the sum of their values as each alone would store them
+    float2 x = make_float2(__fmul_rn(scale, acc(e)), __fmul_rn(scale, acc(e + 1)));
     if (add) {  // onto what this thread stored there for the earlier v-heads
       const float2 before = *at;
-      x = make_float2(before.x + x.x, before.y + x.y);
+      x = make_float2(__fadd_rn(before.x, x.x), __fadd_rn(before.y, x.y));
     }
     *at = x;
   }

@@ -13,7 +13,8 @@
 //   Kd   = diag(f) K                       16-bit [64, K]
 //   m D Q = m diag(d) Q                    16-bit [64, K]  (m: qd_scale, the mantissa of the op's
 //                                                          scale m 2^e; the chains take 2^e dO
-//                                                          times a power of two, which rounds exactly)
+//                                                          times a power of two: exact, then
+//                                                          rounded once)
 //   P^T dO = scale (Gamma * Q K^T)^T dO    fp32 [64, V]   (the add tiles too; scale: dout_scale)
 //   gamma fp32 [64], e^{gamma_C} fp32
 //

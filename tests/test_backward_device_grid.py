@@ -307,6 +307,13 @@ def test_the_sync_free_backward_gives_the_loops_gradients(name, chains_double, m
         assert rel_l2(a.double(), b.double()) < 3e-3, (name, n, rel_l2(a.double(), b.double()))
 
 
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 1e39, -1e39])
+def test_a_scale_outside_fp32_is_refused_before_any_work(scale):
+    inputs, do, dht = draw(3, seqlens=[70], hqk=1, hv=1, K=128, V=128)
+    with pytest.raises(ValueError, match="must be finite and within fp32's range"):
+        chunk_gated_delta_rule_bwd_torch(**inputs, do=do, dht=dht, scale=scale)
+
+
 @pytest.mark.parametrize("state_v_first, dtype", [(False, torch.bfloat16), (True, torch.bfloat16),
                                                   (False, torch.float16)])
 def test_sequences_the_host_knows_give_the_loops_gradients_without_a_device_grid(state_v_first, dtype, chains_double,

@@ -151,9 +151,10 @@ SPLIT_CHUNKS = 16      # every bucket's segment length in these cases
 SPLIT_EPS = 1e-5
 
 
-def split_run(x, warmup):
+def split_run(x, warmup, refuse=()):
     """Both chains of chunk inputs x on the kernels, each sequence cut every SPLIT_CHUNKS chunks with
-    the guarded windows `warmup`, outputs NaN-poisoned first; and the same on whole sequences."""
+    the guarded windows `warmup`, outputs NaN-poisoned first; and the same on whole sequences.
+    refuse: chunks whose guard input is made +inf, so that every window holding one is refused."""
     grid = x["grid"]
     NC, Hv = x["w"].shape[:2]
     N = grid.num_seqs
@@ -167,6 +168,7 @@ def split_run(x, warmup):
                                            torch.tensor(warmup, dtype=torch.int32, device=DEV), math.log(SPLIT_EPS))
     key_norms = torch.ones(NC, Hv, 64, device=DEV)     # the inputs' keys are unit vectors
     guard = chain_segments.window_log_decay(x["decay"].log().float(), x["bc"].float(), key_norms)
+    guard[list(refuse)] = float("inf")
     runs = {}
     for label, segments in (("split", split), ("whole", chain_segments.whole_sequences(grid.chunk_offsets))):
         out_f, out_b = nan_outputs(NC, Hv, N, op), nan_outputs(NC, Hv, N, op)
@@ -210,6 +212,32 @@ def test_split_chains_match_float64_loops(name):
         line = f"split {name:24s} seed={seed} " + " ".join(parts) + f" bitwise_whole={same}"
         print(line)
         LOG.append(line)
+
+
+def test_exact_boundaries_between_warm_ones_are_walked_from_the_start():
+    """One sequence of six segments whose boundaries mix taken and refused windows (the guard's
+    input made +inf in chosen chunks): states' boundaries at chunks 32 and 48 refused (the walk from
+    the start that reaches 32 goes on through 48), gradients' at 64 and 80 (the walk from the end
+    goes on through both). Every chunk is written, all within the bar of the float64 loops, and the
+    chunks walked from the sequence's start (end) are the whole-sequence run's bits."""
+    x = chunk_inputs(41, [6000], 1, 2, "strong", True, True)
+    grid = x["grid"]
+    assert grid.chunk_offsets.tolist()[:2] == [0, 94]
+    runs = split_run(x, [4, 4], refuse=(31, 47, 64, 80))
+    split, whole = runs["split"], runs["whole"]
+    h, Vn, dh_out, dVn, _ = chunked_torch.chains_torch(
+        grid, x["u"], x["w"], x["Kd"], x["decay"][..., None, None], x["Qd"], x["dOs"], x["PtdO"], x["h0"], x["dht"])
+    for i, (what, want) in enumerate((("S_c", h), ("Vn", Vn), (None, None), ("dS_c+1", dh_out), ("dVn", dVn))):
+        assert torch.isfinite(split[i]).all(), f"{what or 'final'}: unwritten elements"
+        if want is not None:
+            err = rel_l2(split[i][:94].double(), want[:94])
+            assert err < KERNEL_BAR, f"{what}: relative L2 {err:.2e} >= {KERNEL_BAR}"
+    exact_states = torch.cat([torch.arange(0, 16), torch.arange(32, 64)])
+    exact_grads = torch.arange(48, 94)
+    for i in (0, 1):
+        assert torch.equal(split[i][exact_states], whole[i][exact_states]), i
+    for i in (3, 4):
+        assert torch.equal(split[i][exact_grads], whole[i][exact_grads]), i
 
 
 def test_a_window_reads_nothing_before_it():

@@ -223,7 +223,7 @@ def chain_gradients(w, kd, qd, dout, ptdo, decay, segments, dht=None, values=Tru
     w, kd, qd [chunks, Hv, 64, K] and dout [chunks, Hv, 64, V] in the operand dtype, qd^T dout being
     (D Q)^T scale dO (the backward passes m D Q and 2^e dO for scale m 2^e: chunked_torch.split_scale);
     ptdo (scale P^T dO) [chunks, Hv, 64, V] fp32 or its add_tiles layout, taken times ptdo_scale
-    [chunks, Hv] fp32 per chunk where given (dout must then carry the same factor); decay, segments, window_log_decay as for chain_states; dht fp32
+    [chunks, Hv] fp32 per chunk where given (qd^T dout must then carry the same factor); decay, segments, window_log_decay as for chain_states; dht fp32
     [N, Hv, K, V] or None (zeros). Returns (dS_{c+1} [chunks, Hv, K, V], dVn [chunks, Hv, 64, V] or
     None, in the operand dtype; dh0 [N, Hv, K, V] fp32), written into `out` when given."""
     return _run(GRADIENTS, w=w, kd=kd, add=ptdo, add_scale=ptdo_scale, decay=decay, segments=segments, window_log_decay=window_log_decay,

@@ -372,12 +372,12 @@ def _prep_library_or_none(sequential: str, K: int, V: int):
                             "the backward computes its state-independent pieces in torch")
 
 
-def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
+def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc, qd_scale: float):
     """The state-independent pieces from the prep kernel (prep_kernels.backward_prep: the chains'
     inputs, gamma and A0), its library had (_prep_library_or_none). q_chunks, k_chunks [NC, Hqk,
     C, K] (normalised where the op normalises), vc and do_chunks views of the chunk layout (dO
-    without the scale, which the kernel folds into P^T dO, and its mantissa into D Q: split_scale)
-    in the call's dtype or fp32, gc and bc
+    without the scale, which the kernel folds into P^T dO, and qd_scale, its mantissa, into D Q:
+    split_scale) in the call's dtype or fp32, gc and bc
     [NC, Hv, C] fp32. Its u and scale P^T dO come in the chain kernels' tiles
     (chain_kernels.add_tiles)."""
     from . import prep_kernels
@@ -389,7 +389,7 @@ def _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale: float, gc, bc):
     # in the operand dtype too: .to would hand it back as it is)
     q16, k16 = (torch.empty(x.shape, dtype=op, device=x.device).copy_(x) for x in (q_chunks, k_chunks))
     return prep_kernels.backward_prep(q16, k16, vc, do_chunks, gc.contiguous(), bc.contiguous(), dout_scale=scale,
-                                      gated_inverse=False, qd_scale=split_scale(scale)[0])
+                                      gated_inverse=False, qd_scale=qd_scale)
 
 
 def chunk_gated_delta_rule_bwd_torch(
@@ -446,6 +446,7 @@ def chunk_gated_delta_rule_bwd_torch(
         if state is not None and tuple(state.shape) != state_shape:
             raise ValueError(f"{name} shape {tuple(state.shape)}, expected {state_shape}")
     scale = K ** -0.5 if scale is None else float(scale)
+    scale_mantissa, scale_power = split_scale(scale)   # a scale out of fp32's range is refused here
     dt = compute_dtype
     group = Hv // Hqk
 
@@ -489,7 +490,7 @@ def chunk_gated_delta_rule_bwd_torch(
     do_chunks = chunks(do, as_is=True)                         # [NC, Hv, C, V], the scale not applied
     h0 = None if initial_state is None else kv_state(initial_state)
     dS_end = None if dht is None else kv_state(dht)
-    pieces = _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale, gc, bc) if prep_kernel else None
+    pieces = _prep_pieces(q_chunks, k_chunks, vc, do_chunks, scale, gc, bc, scale_mantissa) if prep_kernel else None
     # the torch code takes dO with the scale folded in; the kernels fold it in as they read dO
     dOs = None if pieces is not None and step3_kernel else scale * do_chunks
     torch_pieces = None if pieces is not None else _torch_pieces(q_chunks, k_chunks, vc, bc, gc, dOs, group)
@@ -511,7 +512,6 @@ def chunk_gated_delta_rule_bwd_torch(
         op = chain_kernels.spec_for(K, V).torch_dtype
         # the chains take the op's scale m 2^e split (split_scale): m in D Q (the prep kernel writes
         # m D Q), 2^e with dO's unit, so that dO is only moved by a power of two before it rounds
-        scale_mantissa, scale_power = split_scale(scale)
         if pieces is not None:
             w_op, Kd_op, Qd_op, chunk_decay = pieces.w, pieces.kd, pieces.qd, pieces.decay
         else:
@@ -650,10 +650,15 @@ def _chain_segments(grid: ChunkGrid, cp, total_rows: int, gamma_last, bc, k_chun
     return chain_segments.whole_sequences(grid.chunk_offsets), None
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+
+
 def split_scale(scale: float) -> tuple[float, float]:
     """The op's scale as m 2^e: (m, 2^e), 1/2 <= |m| < 1 (math.frexp; (0, 0) for a zero scale, whose
     dO term is then zero, not 0 times an overflow). The chains take m in D Q and 2^e with dO's unit, so
     dO is moved by a power of two only and its largest magnitude lands near 1 whatever the scale."""
+    if not abs(scale) <= FP32_MAX:
+        raise ValueError(f"scale={scale} must be finite and within fp32's range (|scale| <= {FP32_MAX:.4g})")
     mantissa, exponent = math.frexp(scale)
     return mantissa, (math.ldexp(1.0, exponent) if scale != 0.0 else 0.0)
 
